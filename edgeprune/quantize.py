@@ -1,0 +1,214 @@
+"""Integer grids shared by every quantization method (RTN, GPTQ, AWQ, SparseGPT+quant).
+
+Conventions (the GPTQ reference code's, which ``compressed-tensors`` and ONNX Runtime's
+``MatMulNBits`` also use):
+
+* ``maxq = 2**bits - 1``; codes are unsigned integers in ``[0, maxq]``.
+* asymmetric (``sym=False``): over a group, ``xmin = min(w.min(), 0)``,
+  ``xmax = max(w.max(), 0)``, ``scale = (xmax - xmin) / maxq``,
+  ``zero = round(-xmin / scale)`` (an integer in ``[0, maxq]``).
+* symmetric (``sym=True``): ``xmax = max|w|``, ``scale = 2 * xmax / maxq``,
+  ``zero = 2**(bits-1)`` (8 for int4; MatMulNBits' default zero point).
+* ``codes = clamp(round(w / scale) + zero, 0, maxq)``;
+  ``w_hat = (codes - zero) * scale``.
+
+A quantized linear weight is a :class:`QuantizedWeight`: the *quantizer's own* codes,
+scales and zero points. Exporters pack these integers as they are (never re-rounded),
+and checkpoints store them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .errors import ConfigError
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+
+
+def check_quant_args(bits: int, group_size: int, in_features: Optional[int] = None,
+                     *, pad_groups: bool = False, name: str = "layer") -> int:
+    """Validate ``bits``/``group_size`` for a layer and return the effective group size.
+
+    Args:
+        bits: 2, 3, 4 or 8.
+        group_size: ``-1`` (one group per output row) or a positive integer.
+        in_features: the layer's input size; when given, ``group_size`` must divide it
+            unless ``pad_groups`` is set (then the last group is partial, the way
+            ``MatMulNBits`` pads K to a multiple of ``block_size``).
+        pad_groups: allow a partial last group.
+        name: layer name used in the error message.
+
+    Returns:
+        The effective group size (``in_features`` when ``group_size == -1``).
+
+    Raises:
+        ConfigError: unsupported ``bits``, a non-positive ``group_size``, or a
+            ``group_size`` that does not divide ``in_features``.
+    """
+    if bits not in SUPPORTED_BITS:
+        raise ConfigError(f"bits={bits} is not supported",
+                          f"use one of {', '.join(map(str, SUPPORTED_BITS))}")
+    if group_size != -1 and group_size <= 0:
+        raise ConfigError(f"group_size={group_size} must be -1 (per row) or a positive integer",
+                          "use e.g. --group-size 64")
+    if in_features is None:
+        return group_size
+    if group_size == -1:
+        return in_features
+    if in_features % group_size and not pad_groups:
+        divisors = [g for g in (32, 64, 128, 256) if in_features % g == 0]
+        raise ConfigError(
+            f"group_size={group_size} does not divide the input size {in_features} of {name}",
+            f"use group_size {' or '.join(map(str, divisors)) or -1}, or pass pad_groups=True "
+            "to quantize a partial last group")
+    return group_size
+
+
+def qparams(w: torch.Tensor, bits: int, sym: bool, clip: float | torch.Tensor = 1.0
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and integer zero point of each row of ``w`` (one group per row).
+
+    Args:
+        w: float tensor ``[rows, cols]``; each row is one quantization group.
+        bits: bit width.
+        sym: symmetric grid (zero fixed at ``2**(bits-1)``) or asymmetric.
+        clip: factor in ``(0, 1]`` (scalar or ``[rows, 1]``) that shrinks the range,
+            as in AWQ's clipping search.
+
+    Returns:
+        ``(scale [rows, 1] float32, zero [rows, 1] float32 holding integers)``.
+        A row of zeros gets scale 1 so nothing divides by zero.
+    """
+    maxq = 2 ** bits - 1
+    w = w.float()
+    if sym:
+        xmax = w.abs().amax(dim=1, keepdim=True) * clip
+        scale = 2 * xmax / maxq
+        zero = torch.full_like(scale, float(2 ** (bits - 1)))
+    else:
+        xmin = w.amin(dim=1, keepdim=True).clamp(max=0) * clip
+        xmax = w.amax(dim=1, keepdim=True).clamp(min=0) * clip
+        scale = (xmax - xmin) / maxq
+        zero = torch.round(-xmin / torch.where(scale > 0, scale, torch.ones_like(scale)))
+    bad = ~(scale > 0) | ~torch.isfinite(scale)
+    scale = torch.where(bad, torch.ones_like(scale), scale)
+    zero = torch.where(bad, torch.full_like(zero, float(2 ** (bits - 1)) if sym else 0.0), zero)
+    return scale, zero.clamp(0, maxq)
+
+
+def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer codes ``clamp(round(w/scale) + zero, 0, 2**bits-1)`` (float tensor of integers)."""
+    return torch.clamp(torch.round(w / scale) + zero, 0, 2 ** bits - 1)
+
+
+def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Round ``w`` to the grid and back: ``(codes - zero) * scale`` (same shape as ``w``)."""
+    return (quantize_codes(w, scale, zero, bits) - zero) * scale
+
+
+@dataclass
+class QuantizedWeight:
+    """The integer form of one linear layer's weight ``W [out_features, in_features]``.
+
+    Attributes:
+        codes: ``uint8 [out, in]``, values in ``[0, 2**bits-1]``, in the layer's
+            original input-channel order (an ``act_order`` permutation is undone;
+            see ``g_idx``).
+        scales: ``float32 [out, n_groups]``.
+        zeros: ``uint8 [out, n_groups]`` integer zero points (``2**(bits-1)`` when sym).
+        bits: bit width (2, 3, 4, 8).
+        group_size: input channels per group (``in_features`` for per-row).
+        sym: symmetric grid.
+        g_idx: optional ``int32 [in]``: the group of each input column. ``None`` means
+            the default ``g_idx[i] = i // group_size``; GPTQ with ``act_order`` and
+            dynamic groups produces a non-monotone ``g_idx``.
+        meta: free-form provenance (method name, clip ratios...).
+
+    ``n_groups = ceil(in / group_size)`` (a partial last group exists only when the
+    caller allowed ``pad_groups``).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bits: int
+    group_size: int
+    sym: bool
+    g_idx: Optional[torch.Tensor] = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out_features, in_features)``."""
+        return tuple(self.codes.shape)  # type: ignore[return-value]
+
+    @property
+    def n_groups(self) -> int:
+        return self.scales.shape[1]
+
+    def group_index(self) -> torch.Tensor:
+        """``int64 [in]``: the group of every input column."""
+        if self.g_idx is not None:
+            return self.g_idx.long()
+        return torch.arange(self.codes.shape[1]) // self.group_size
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``W_hat [out, in] = (codes - zeros[:, g]) * scales[:, g]``."""
+        g = self.group_index()
+        return ((self.codes.float() - self.zeros.float()[:, g]) * self.scales.float()[:, g]).to(dtype)
+
+    def has_default_order(self) -> bool:
+        """True when ``g_idx`` is absent or equals ``i // group_size``."""
+        if self.g_idx is None:
+            return True
+        return bool(torch.equal(self.g_idx.long(), torch.arange(self.codes.shape[1]) // self.group_size))
+
+    def bits_per_weight(self) -> float:
+        """Average storage bits per weight, scales (16-bit) and zero points included."""
+        out, inp = self.shape
+        extra = self.n_groups * out * (16 + (0 if self.sym else self.bits))
+        return (out * inp * self.bits + extra) / (out * inp)
+
+
+def rtn_quantize(w: torch.Tensor, bits: int = 4, group_size: int = 64, sym: bool = False,
+                 clip: float | torch.Tensor = 1.0, *, pad_groups: bool = False,
+                 name: str = "layer") -> QuantizedWeight:
+    """Round-to-nearest group-wise quantization of ``w [out, in]``.
+
+    Args:
+        w: float weight ``[out, in]``.
+        bits, group_size, sym: grid settings (see module docstring).
+        clip: range shrink factor, scalar or ``[out, n_groups]`` (AWQ clipping).
+        pad_groups: allow a partial last group when ``group_size`` does not divide ``in``.
+
+    Returns:
+        :class:`QuantizedWeight` with codes in the original column order.
+
+    Raises:
+        ConfigError: bad ``bits``/``group_size`` (see :func:`check_quant_args`).
+    """
+    out, inp = w.shape
+    gs = check_quant_args(bits, group_size, inp, pad_groups=pad_groups, name=name)
+    n_groups = math.ceil(inp / gs)
+    codes = torch.empty(out, inp, dtype=torch.uint8)
+    scales = torch.empty(out, n_groups, dtype=torch.float32)
+    zeros = torch.empty(out, n_groups, dtype=torch.uint8)
+    wf = w.detach().float()
+    for g in range(n_groups):
+        sl = slice(g * gs, min((g + 1) * gs, inp))
+        c = clip[:, g:g + 1] if isinstance(clip, torch.Tensor) and clip.dim() == 2 else clip
+        s, z = qparams(wf[:, sl], bits, sym, c)
+        codes[:, sl] = quantize_codes(wf[:, sl], s, z, bits).to(torch.uint8)
+        scales[:, g] = s[:, 0]
+        zeros[:, g] = z[:, 0].to(torch.uint8)
+    return QuantizedWeight(codes=codes, scales=scales, zeros=zeros, bits=bits,
+                           group_size=gs, sym=sym)
+
+
+__all__ = ["QuantizedWeight", "check_quant_args", "qparams", "quantize_codes",
+           "fake_quantize", "rtn_quantize", "SUPPORTED_BITS"]

@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random models (unit tests) and the real SmolLM2-135M (integration)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED = Path(os.environ.get("EDGEPRUNE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+
+
+def _tiny(config_cls, **kw):
+    from transformers import AutoModelForCausalLM
+
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rms_norm_eps=1e-6, tie_word_embeddings=False)
+    base.update(kw)
+    torch.manual_seed(0)
+    cfg = config_cls(**base)
+    model = AutoModelForCausalLM.from_config(cfg)
+    # Random init gives near-zero weights; widen them so quantization/pruning errors show.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    return model.float().eval()
+
+
+@pytest.fixture
+def tiny_llama():
+    """A 2-layer llama (hidden 64, 4 q heads / 2 kv heads of dim 16, GQA) with random weights."""
+    from transformers import LlamaConfig
+
+    return _tiny(LlamaConfig)
+
+
+@pytest.fixture
+def tiny_qwen2():
+    """A 2-layer qwen2 (q/k/v bias, GQA) with random weights."""
+    from transformers import Qwen2Config
+
+    return _tiny(Qwen2Config)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct ``(model, tokenizer)``; read-only, deep-copy to modify."""
+    from edgeprune.models import load_model
+
+    model, tok = load_model("smollm2-135m")
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def wikitext_path() -> Path:
+    p = SHARED / "data" / "wikitext2" / "wiki.test.raw"
+    if not p.exists():
+        pytest.skip(f"WikiText-2 not found at {p}")
+    return p
+
+
+@pytest.fixture(scope="session")
+def c4_path() -> Path:
+    p = SHARED / "data" / "c4" / "c4_validation_2k.parquet"
+    if not p.exists():
+        pytest.skip(f"C4 not found at {p}")
+    return p
