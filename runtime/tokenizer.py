@@ -1,0 +1,317 @@
+"""Torch-free tokenizer for exported folders (``tokenizers`` + ``jinja2`` only, no transformers).
+
+An exported folder carries the files written by a Hugging Face tokenizer's
+``save_pretrained``: ``tokenizer.json`` (the fast tokenizer: normalizer,
+pre-tokenizer, model, post-processor, decoder), ``tokenizer_config.json`` (special
+tokens, cleanup flag, possibly the chat template) and optionally
+``chat_template.jinja`` / ``generation_config.json``. :class:`Tokenizer` reproduces
+transformers' ``encode`` / ``decode`` / ``apply_chat_template`` on them, and
+:class:`IncrementalDecoder` turns a stream of token ids into text pieces whose
+concatenation equals ``decode`` of all ids (multi-token UTF-8 characters included).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import GenerationError, RuntimeLoadError
+
+__all__ = ["Tokenizer", "IncrementalDecoder", "clean_up_tokenization"]
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def clean_up_tokenization(text: str) -> str:
+    """transformers' ``clean_up_tokenization``: drop spaces before punctuation/contractions."""
+    return (text.replace(" .", ".").replace(" ?", "?").replace(" !", "!").replace(" ,", ",")
+            .replace(" ' ", "'").replace(" n't", "n't").replace(" 'm", "'m").replace(" 's", "'s")
+            .replace(" 've", "'ve").replace(" 're", "'re"))
+
+
+def _token_text(v: Any) -> str | None:
+    """A special token in tokenizer_config.json is a string or an AddedToken dict."""
+    if v is None:
+        return None
+    if isinstance(v, dict):
+        return v.get("content")
+    return str(v)
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` plus the special tokens and chat template of a folder.
+
+    Build it with :meth:`from_folder`. Attributes:
+
+    * ``eos_token_ids``: list of ids that end generation (the tokenizer's
+      ``eos_token`` plus ``generation_config.json``'s ``eos_token_id`` if present);
+    * ``bos_token_id``, ``pad_token_id``, ``unk_token_id``: ids or ``None``;
+    * ``chat_template``: the Jinja source or ``None``;
+    * ``vocab_size``: size including added tokens.
+    """
+
+    def __init__(self, backend, config: dict | None = None, chat_template: str | None = None,
+                 generation_config: dict | None = None):
+        self._tok = backend
+        self.config = dict(config or {})
+        self.chat_template = chat_template if chat_template is not None else self.config.get("chat_template")
+        if isinstance(self.chat_template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in self.chat_template}
+            self.chat_template = named.get("default") or next(iter(named.values()), None)
+        # transformers >= 5 ignores the cleanup flag for BPE models (it corrupts their output)
+        # unless explicitly forced; mirror that so decode() matches it.
+        self.clean_up_tokenization_spaces = bool(self.config.get("clean_up_tokenization_spaces", False)) and (
+            type(backend.model).__name__ != "BPE"
+            or bool(self.config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")))
+        self.special_tokens: dict[str, str] = {}
+        for key in _SPECIAL_KEYS:
+            t = _token_text(self.config.get(key))
+            if t is not None:
+                self.special_tokens[key] = t
+        self.bos_token_id = self.token_to_id(self.special_tokens.get("bos_token"))
+        self.pad_token_id = self.token_to_id(self.special_tokens.get("pad_token"))
+        self.unk_token_id = self.token_to_id(self.special_tokens.get("unk_token"))
+        eos: list[int] = []
+        eid = self.token_to_id(self.special_tokens.get("eos_token"))
+        if eid is not None:
+            eos.append(eid)
+        gen_eos = (generation_config or {}).get("eos_token_id")
+        for e in ([gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])):
+            if int(e) not in eos:
+                eos.append(int(e))
+        self.eos_token_ids: list[int] = eos
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> Tokenizer:
+        """Load ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``,
+        ``generation_config.json`` when present) from ``folder``.
+
+        Raises:
+            RuntimeLoadError: ``tokenizer.json`` is missing or cannot be parsed, or a
+                JSON side file is corrupt.
+        """
+        from tokenizers import Tokenizer as _HFTok
+
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise RuntimeLoadError(f"no tokenizer.json in {folder}",
+                                   "export the model with its tokenizer (tokenizer.save_pretrained(folder))")
+        try:
+            backend = _HFTok.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+            raise RuntimeLoadError(f"cannot parse {path}: {e}", "re-export the folder; the file is corrupt") from e
+
+        def _json(name):
+            p = folder / name
+            if not p.is_file():
+                return None
+            try:
+                return json.loads(p.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                raise RuntimeLoadError(f"cannot read {p}: {e}", "re-export the folder; the file is corrupt") from e
+
+        config = _json("tokenizer_config.json") or {}
+        gen = _json("generation_config.json")
+        template = None
+        tp = folder / "chat_template.jinja"
+        if tp.is_file():
+            template = tp.read_text(encoding="utf-8")
+        elif (folder / "chat_template.json").is_file():
+            template = (_json("chat_template.json") or {}).get("chat_template")
+        return cls(backend, config, template, gen)
+
+    # -- basic API ---------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        """Id of a token string, or ``None`` if absent."""
+        if token is None:
+            return None
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, idx: int) -> str | None:
+        """Token string of an id, or ``None``."""
+        return self._tok.id_to_token(int(idx))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text`` (as transformers' ``tokenizer.encode``).
+
+        Args:
+            text: the string to tokenize.
+            add_special_tokens: let the post-processor add BOS/EOS as the model's
+                tokenizer defines (transformers' default is True; the runtime's is False
+                because chat templates already contain the special tokens).
+
+        Raises:
+            GenerationError: ``text`` is not a string.
+        """
+        if not isinstance(text, str):
+            raise GenerationError(f"text to encode must be a str, got {type(text).__name__}",
+                                  "pass a string prompt")
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """:meth:`encode` for several strings (no padding)."""
+        return [list(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (as transformers' ``tokenizer.decode``).
+
+        Args:
+            ids: token ids (ints or numpy integers).
+            skip_special_tokens: drop special/added-special tokens (e.g. ``<|im_end|>``).
+        """
+        text = self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        if self.clean_up_tokenization_spaces:
+            text = clean_up_tokenization(text)
+        return text
+
+    # -- chat --------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs) -> str:
+        """Render a conversation with the folder's Jinja chat template.
+
+        The environment matches transformers': ``ImmutableSandboxedEnvironment`` with
+        ``trim_blocks``/``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson``
+        filter, ``raise_exception`` and ``strftime_now`` globals, and the special tokens
+        (``bos_token``, ``eos_token``...) as variables.
+
+        Args:
+            messages: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``.
+            add_generation_prompt: append the assistant turn header.
+            **kwargs: extra template variables (e.g. ``tools``).
+
+        Returns:
+            The prompt string (encode it with ``add_special_tokens=False``).
+
+        Raises:
+            GenerationError: the folder has no chat template, ``messages`` is malformed,
+                or the template raises.
+        """
+        if not self.chat_template:
+            raise GenerationError("this tokenizer has no chat template",
+                                  "pass a plain prompt, or export from a model whose tokenizer has one")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise GenerationError("messages must be a list of {'role': ..., 'content': ...} dicts",
+                                  "e.g. [{'role': 'user', 'content': 'Hello'}]")
+        template = self._compiled_template()
+        variables = dict(self.special_tokens)
+        variables.update(kwargs)
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        except GenerationError:
+            raise
+        except Exception as e:  # jinja2 errors, TemplateError from raise_exception
+            raise GenerationError(f"chat template failed: {e}", "check the messages' roles and order") from e
+
+    def _compiled_template(self):
+        cached = getattr(self, "_template_cache", None)
+        if cached is not None and cached[0] == self.chat_template:
+            return cached[1]
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise GenerationError(f"chat template refused the messages: {message}",
+                                  "check the messages' roles and order")
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
+        def strftime_now(fmt):
+            return datetime.now().strftime(fmt)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
+        compiled = env.from_string(self.chat_template)
+        self._template_cache = (self.chat_template, compiled)
+        return compiled
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        """A fresh :class:`IncrementalDecoder` bound to this tokenizer."""
+        return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDecoder:
+    """Streams text from token ids, one token at a time.
+
+    Byte-level BPE (GPT-2 style) splits one UTF-8 character (emoji, CJK) across
+    several tokens, and SentencePiece-style decoders strip a leading space only at
+    the start of a text; decoding token by token is therefore wrong. This keeps a
+    short window of ids: each :meth:`push` decodes ``ids[prefix:]`` and
+    ``ids[prefix:read]`` and emits the difference, holding text back while it ends in
+    an incomplete character (U+FFFD) (the scheme of Hugging Face TGI / vLLM's
+    ``detokenize_incrementally``). :meth:`flush` emits what is still held back.
+
+    Invariant: ``"".join(pieces) + flush() == tokenizer.decode(all_ids)``.
+
+    Args:
+        tokenizer: a :class:`Tokenizer` (or any object with ``decode(ids, skip_special_tokens)``).
+        skip_special_tokens: as in ``decode``.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0   # start of the decode window
+        self._read = 0     # ids[:read] have been emitted
+        self._emitted: list[str] = []
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the newly completed text (possibly ``""``)."""
+        self.ids.append(int(token_id))
+        prefix_text = self._decode(self.ids[self._prefix:self._read])
+        new_text = self._decode(self.ids[self._prefix:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd") \
+                and new_text.startswith(prefix_text):
+            piece = new_text[len(prefix_text):]
+            self._prefix, self._read = self._read, len(self.ids)
+            self._emitted.append(piece)
+            return piece
+        return ""
+
+    def push_many(self, token_ids: Iterable[int]) -> str:
+        """Push several ids; return the concatenated pieces."""
+        return "".join(self.push(t) for t in token_ids)
+
+    def flush(self) -> str:
+        """Emit any text held back (e.g. an incomplete character at the end of the stream)."""
+        if self._read >= len(self.ids):
+            return ""
+        # One full decode at the end keeps the invariant even if a window decode was odd.
+        full = self._decode(self.ids)
+        done = self.text
+        piece = full[len(done):] if full.startswith(done) else ""
+        self._prefix = self._read = len(self.ids)
+        if piece:
+            self._emitted.append(piece)
+        return piece
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._emitted)
+
+    def reset(self) -> None:
+        """Forget every id (start a new stream)."""
+        self.ids.clear()
+        self._prefix = self._read = 0
+        self._emitted.clear()
