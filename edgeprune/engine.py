@@ -1,0 +1,461 @@
+"""The sequential, layer-wise compression engine: :func:`compress`.
+
+Calibration activations flow through the decoder block by block (the "sequential"
+mode of the GPTQ/SparseGPT/Wanda reference code and llm-compressor):
+
+1. The inputs of block 0 (hidden states plus the keyword arguments the model passes to
+   its decoder layers: ``position_embeddings``, ``attention_mask``, ``position_ids``...)
+   are captured with a pre-hook on block 0 that stops the forward pass.
+2. For block ``i`` and each recipe stage: one forward pass of the block over all
+   calibration batches, with forward hooks on the stage's target linears accumulating
+   their input statistics (:class:`~edgeprune.methods.base.InputStats`; linears that read
+   the same tensor, q/k/v and gate/up, share one Hessian); then the method compresses the
+   block's targets and the engine writes the new weights back in place.
+3. The compressed block is run again to produce the inputs of block ``i+1``, so block
+   ``i`` sees the outputs of the already-compressed blocks ``0..i-1``.
+
+Memory is bounded by one block's activations (``nsamples x seqlen x hidden``) plus one
+block's Hessians. Padded positions (``attention_mask == 0``) and tokens whose activations
+are NaN/inf never enter a statistic.
+
+The model is modified IN PLACE: every compressed linear holds its dense equivalent
+(masked weight, or dequantized fake-quant weight in the original dtype), so the PyTorch
+model evaluates exactly what is exported; the integer codes are in
+:attr:`CompressionResult.quantized`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .errors import CalibrationError, ConfigError, EdgePruneError, UnsupportedArchitectureError
+from .methods import get_method
+from .methods.base import InputStats, LayerResult, LayerTask, relative_error
+from .methods.magnitude import Magnitude
+from .methods.rtn import RTN
+from .quantize import QuantizedWeight
+from .recipe import MagnitudeConfig, Recipe, RTNConfig, as_recipe
+
+
+@dataclass
+class CompressionResult:
+    """What :func:`compress` did.
+
+    Attributes:
+        quantized: module name (as in ``model.named_modules()``) -> integer codes of
+            quantized layers, in original column order.
+        masks: module name -> ``bool [out, in]`` kept weights of pruned layers.
+        sparsity_pattern: module name -> ``"2:4"``-style or ``"unstructured"``.
+        layer_errors: module name -> relative reconstruction error
+            ``||W X - W' X||^2 / ||W X||^2`` on the calibration inputs the layer saw.
+        fallbacks: human-readable fallbacks taken, e.g.
+            ``"model.layers.3.mlp.down_proj: Hessian singular -> damp x10 (4 tries) -> RTN"``.
+        seconds: wall time of :func:`compress`.
+        recipe: ``Recipe.to_dict()`` of what ran.
+    """
+
+    quantized: dict = field(default_factory=dict)
+    masks: dict = field(default_factory=dict)
+    sparsity_pattern: dict = field(default_factory=dict)
+    layer_errors: dict = field(default_factory=dict)
+    fallbacks: list = field(default_factory=list)
+    seconds: float = 0.0
+    recipe: dict = field(default_factory=dict)
+    calibration: dict = field(default_factory=dict)
+
+    def sparsity(self) -> dict:
+        """Module name -> fraction of pruned weights."""
+        return {n: 1.0 - float(m.float().mean()) for n, m in self.masks.items()}
+
+    def summary(self) -> dict:
+        """JSON-able summary: recipe, counts, mean error, bits per weight, fallbacks."""
+        errs = [e for e in self.layer_errors.values() if e == e]
+        bpw = None
+        if self.quantized:
+            tot_bits = sum(q.bits_per_weight() * q.codes.numel() for q in self.quantized.values())
+            tot = sum(q.codes.numel() for q in self.quantized.values())
+            bpw = tot_bits / tot
+        return {
+            "recipe": self.recipe,
+            "seconds": round(self.seconds, 3),
+            "calibration": self.calibration,
+            "n_quantized": len(self.quantized),
+            "n_pruned": len(self.masks),
+            "quantized": {n: {"bits": q.bits, "group_size": q.group_size, "sym": q.sym,
+                              "act_order_g_idx": q.g_idx is not None}
+                          for n, q in self.quantized.items()},
+            "sparsity": {n: round(s, 6) for n, s in self.sparsity().items()},
+            "sparsity_pattern": dict(self.sparsity_pattern),
+            "avg_bits_per_weight": None if bpw is None else round(bpw, 4),
+            "mean_layer_error": (sum(errs) / len(errs)) if errs else None,
+            "layer_errors": {n: float(e) for n, e in self.layer_errors.items()},
+            "fallbacks": list(self.fallbacks),
+        }
+
+
+# -- model structure ----------------------------------------------------------------
+
+def find_decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The decoder blocks of a causal LM: ``("model.layers", ModuleList)`` for llama/qwen2.
+
+    Raises:
+        UnsupportedArchitectureError: no ``ModuleList`` of blocks found.
+    """
+    for prefix in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers"):
+        try:
+            mod = model.get_submodule(prefix)
+        except AttributeError:
+            continue
+        if isinstance(mod, nn.ModuleList) and len(mod):
+            return prefix, mod
+    best = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) and any(isinstance(m, nn.Linear) for m in mod[0].modules()):
+            if best is None or len(mod) > len(best[1]):
+                best = (name, mod)
+    if best is None:
+        raise UnsupportedArchitectureError(
+            f"cannot find the decoder blocks of {type(model).__name__}",
+            "use a llama/qwen2-style causal LM whose blocks live in model.layers")
+    return best
+
+
+class _StopForward(Exception):
+    pass
+
+
+def _capture_block_inputs(model, blocks, calib_ids, attention_mask, batch_size, device):
+    """Run the model up to block 0 on each batch; return ``[(hidden, kwargs, tokmask)]``."""
+    captured = []
+
+    def pre_hook(mod, args, kwargs):
+        kwargs = dict(kwargs)
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        for k in ("past_key_values", "cache", "past_key_value"):
+            kwargs.pop(k, None)
+        kwargs["use_cache"] = False
+        captured.append((hidden, kwargs))
+        raise _StopForward
+
+    h = blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
+    batches = []
+    try:
+        for b0 in range(0, calib_ids.shape[0], batch_size):
+            ids = calib_ids[b0:b0 + batch_size].to(device)
+            kw = {"use_cache": False}
+            if attention_mask is not None:
+                am = attention_mask[b0:b0 + batch_size].to(device)
+                kw["attention_mask"] = am
+                kw["position_ids"] = (am.long().cumsum(-1) - 1).clamp(min=0)
+                tokmask = am.bool()
+            else:
+                tokmask = torch.ones_like(ids, dtype=torch.bool)
+            try:
+                model(input_ids=ids, **kw)
+            except _StopForward:
+                pass
+            if len(captured) != len(batches) + 1:
+                raise UnsupportedArchitectureError(
+                    "the model's forward never reached its first decoder block",
+                    "use a llama/qwen2-style causal LM")
+            hidden, kwargs = captured[-1]
+            batches.append([hidden, kwargs, tokmask])
+    finally:
+        h.remove()
+    return batches
+
+
+def _run_block(block, batches):
+    """Replace each batch's hidden states by the block's output."""
+    for b in batches:
+        out = block(b[0], **b[1])
+        b[0] = out[0] if isinstance(out, (tuple, list)) else out
+
+
+class _StatsCollector:
+    """Forward hooks accumulating :class:`InputStats` for a set of linears.
+
+    Linears called back to back on the very same input tensor (q/k/v; gate/up) are
+    detected on the first batch and share one statistics object.
+    """
+
+    def __init__(self, modules: dict[str, nn.Linear], hessian: bool, device):
+        self.modules = modules
+        self.hessian = hessian
+        self.device = device
+        self.stats: dict[str, InputStats] = {}
+        self.leader: dict[str, str] = {}
+        self.tokmask: Optional[torch.Tensor] = None
+        self._prev = None  # (tensor, leader name) of the last hooked call
+        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
+
+    def _hook(self, name):
+        def hook(mod, inp, out):
+            x = inp[0]
+            if name not in self.leader:
+                if self._prev is not None and self._prev[0] is x:
+                    self.leader[name] = self._prev[1]
+                else:
+                    self.leader[name] = name
+                    self.stats[name] = InputStats.empty(x.shape[-1], self.hessian, self.device)
+            lead = self.leader[name]
+            self._prev = (x, lead)
+            if lead != name:
+                return
+            x2 = x.detach().reshape(-1, x.shape[-1])
+            valid = self.tokmask.reshape(-1)
+            finite = torch.isfinite(x2).all(1)
+            st = self.stats[lead]
+            st.n_excluded += int((valid & ~finite).sum())
+            st.add(x2[valid & finite])
+        return hook
+
+    def run(self, block, batches):
+        with torch.no_grad():
+            for b in batches:
+                self.tokmask = b[2]
+                self._prev = None
+                block(b[0], **b[1])
+        self._prev = None
+        for h in self.handles:
+            h.remove()
+        return {n: self.stats[self.leader[n]] for n in self.modules if n in self.leader}
+
+
+def _plan(recipe: Recipe, methods, prefix: str, blocks) -> list[list[tuple[int, list[str]]]]:
+    """Per block: ``[(stage index, [target names])]``; checks every rule before any change.
+
+    Raises:
+        ConfigError: a shape the method cannot handle, pruning after quantization, a layer
+            quantized twice (other than AWQ then another quantizer), or no target at all.
+    """
+    plan = []
+    any_target = False
+    for bi, block in enumerate(blocks):
+        linears = [(f"{prefix}.{bi}.{n}", m) for n, m in block.named_modules() if isinstance(m, nn.Linear)]
+        history: dict[str, list] = {}
+        per_stage = []
+        for si, (cfg, meth) in enumerate(zip(recipe.stages, methods)):
+            names = []
+            for name, mod in linears:
+                if not cfg.selects(name):
+                    continue
+                meth.check_layer(name, mod.out_features, mod.in_features)
+                prev = history.setdefault(name, [])
+                quantizes = cfg.kind == "quant" or bool(getattr(cfg, "bits", None))
+                prunes = cfg.kind == "prune"
+                if prunes and any(q for _, q, _ in prev):
+                    raise ConfigError(f"{name}: stage {si + 1} ({cfg.method}) prunes a layer an earlier "
+                                      "stage already quantized",
+                                      "put pruning stages before quantization stages in the recipe")
+                if quantizes and any(q and m != "awq" for m, q, _ in prev):
+                    raise ConfigError(f"{name}: stage {si + 1} ({cfg.method}) quantizes a layer an earlier "
+                                      "stage already quantized",
+                                      "quantize each layer once (only awq may precede another quantizer), "
+                                      "or narrow the stages' targets")
+                prev.append((cfg.method, quantizes, si))
+                names.append(name)
+            per_stage.append((si, names))
+            any_target |= bool(names)
+        plan.append(per_stage)
+    if not any_target:
+        raise ConfigError("the recipe selects no linear layer of the model's decoder blocks",
+                          "check the stages' targets/ignore patterns (e.g. targets = [\"q_proj\"])")
+    return plan
+
+
+def _later_quantizes(recipe: Recipe, si: int, name: str) -> bool:
+    return any((c.kind == "quant" or getattr(c, "bits", None)) and c.selects(name)
+               for c in recipe.stages[si + 1:])
+
+
+def _baseline_results(cfg, tasks: list[LayerTask], why: str) -> dict[str, LayerResult]:
+    """Data-free fallback for a group: RTN for quantizers, magnitude for pruners."""
+    if cfg.kind == "quant" or getattr(cfg, "bits", None):
+        meth = RTN(RTNConfig(bits=cfg.bits, group_size=cfg.group_size, sym=cfg.sym))
+        label = "RTN"
+    else:
+        meth = Magnitude(MagnitudeConfig(sparsity=cfg.sparsity, prune_n=cfg.prune_n, prune_m=cfg.prune_m))
+        label = "magnitude"
+    out = {}
+    for t in tasks:
+        r = meth.compress_layer(t)
+        if r.quantized is not None:
+            r.quantized.meta.update(method=cfg.method, fallback="rtn")
+        r.notes = [f"{t.name}: {why} -> {label}"]
+        out[t.name] = r
+    return out
+
+
+def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
+             attention_mask: Optional[torch.Tensor] = None, device: str | torch.device = "cpu",
+             progress: bool = True, batch_size: int = 8, measure_errors: bool = True) -> CompressionResult:
+    """Compress ``model`` in place with a recipe, block by block (sequential mode).
+
+    Args:
+        model: a transformers causal LM (llama/qwen2 style: blocks in ``model.layers``),
+            in eval mode.
+        recipe: a :class:`~edgeprune.recipe.Recipe`, one method config
+            (e.g. ``GPTQConfig(bits=4)``), a list of configs, a dict, or a recipe file path.
+        calib_ids: ``int64 [nsamples, seqlen]`` calibration token windows.
+        attention_mask: optional ``[nsamples, seqlen]`` (1 = token, 0 = padding). Padded
+            positions never enter a statistic; position ids follow the mask, so left- or
+            right-padded batches give the same statistics as the unpadded samples.
+        device: where blocks are processed (``"cpu"``, ``"cuda"``); each block moves there
+            in turn and returns to its original device.
+        progress: show a tqdm bar per block ("block 3/30: gptq q_proj,k_proj,...").
+        batch_size: calibration samples per forward pass.
+        measure_errors: accumulate full Hessians for every stage so that
+            ``layer_errors`` is filled (the pruning-only methods need only norms
+            otherwise).
+
+    Returns:
+        :class:`CompressionResult`.
+
+    Raises:
+        ConfigError: invalid recipe or a layer shape the recipe cannot handle (raised
+            before any weight changes).
+        CalibrationError: empty or malformed calibration ids / mask.
+        UnsupportedArchitectureError: decoder blocks not found.
+
+    Numerical trouble in one layer (singular Hessian, NaN/zero activations, a method
+    failing) never stops the run: the layer falls back to RTN / magnitude and the
+    fallback is listed in ``result.fallbacks``; weights are never left non-finite.
+    """
+    t0 = time.perf_counter()
+    recipe = as_recipe(recipe)
+    recipe.validate()
+    if not isinstance(calib_ids, torch.Tensor) or calib_ids.dim() != 2 or calib_ids.numel() == 0:
+        raise CalibrationError(
+            f"calibration ids must be a non-empty [nsamples, seqlen] tensor, got "
+            f"{tuple(calib_ids.shape) if isinstance(calib_ids, torch.Tensor) else type(calib_ids).__name__}",
+            "build them with edgeprune.calibration (e.g. 32 windows of 512 tokens)")
+    if calib_ids.dtype not in (torch.int64, torch.int32):
+        raise CalibrationError(f"calibration ids have dtype {calib_ids.dtype}", "pass integer token ids")
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != tuple(calib_ids.shape):
+            raise CalibrationError(f"attention_mask shape {tuple(attention_mask.shape)} differs from the "
+                                   f"ids' {tuple(calib_ids.shape)}", "pass one mask entry per token")
+        if not bool(attention_mask.bool().any()):
+            raise CalibrationError("attention_mask masks out every calibration token",
+                                   "pass 1 for real tokens and 0 for padding")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size} must be >= 1", "use e.g. 8")
+    device = torch.device(device)
+    prefix, blocks = find_decoder_blocks(model)
+    methods = [get_method(c) for c in recipe.stages]
+    plan = _plan(recipe, methods, prefix, blocks)
+
+    result = CompressionResult(recipe=recipe.to_dict(),
+                               calibration={"nsamples": int(calib_ids.shape[0]),
+                                            "seqlen": int(calib_ids.shape[1]),
+                                            "tokens": int(attention_mask.sum()) if attention_mask is not None
+                                            else int(calib_ids.numel())})
+    was_training = model.training
+    model.eval()
+    # Non-block modules (embeddings, rotary, final norm) go to `device` for the capture.
+    base_dev = next(model.parameters()).device
+    moved = []
+    if device != base_dev:
+        in_blocks = {id(m) for b in blocks for m in b.modules()}
+        moved = [m for m in model.modules() if id(m) not in in_blocks]
+        for mod in moved:
+            _move_own(mod, device)
+    try:
+        with torch.no_grad():
+            batches = _capture_block_inputs(model, blocks, calib_ids, attention_mask, batch_size, device)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(blocks), desc="compress", unit="block", leave=True)
+        for bi, block in enumerate(blocks):
+            blk_dev = next(block.parameters()).device
+            block.to(device)
+            modules = {f"{prefix}.{bi}.{n}": m for n, m in block.named_modules() if isinstance(m, nn.Linear)}
+            ref = {}
+            final_stats: dict[str, InputStats] = {}
+            for si, names in plan[bi]:
+                if not names:
+                    continue
+                cfg, meth = recipe.stages[si], methods[si]
+                if bar is not None:
+                    short = ",".join(dict.fromkeys(n.rsplit(".", 1)[-1] for n in names))
+                    bar.set_description(f"block {bi + 1}/{len(blocks)}: {cfg.method} {short}")
+                need_h = meth.needs_hessian or measure_errors
+                stats = _StatsCollector({n: modules[n] for n in names}, need_h, device).run(block, batches)
+                tasks = []
+                for n in names:
+                    w = modules[n].weight.detach().float().clone()
+                    ref.setdefault(n, w)
+                    tasks.append(LayerTask(name=n, module=modules[n], weight=w, mask=result.masks.get(n),
+                                           stats=stats[n], quantize=not _later_quantizes(recipe, si, n)))
+                excluded = {id(t.stats): t for t in tasks if t.stats.n_excluded}
+                for t in excluded.values():
+                    result.fallbacks.append(f"{t.name}: {t.stats.n_excluded} calibration tokens with NaN/inf "
+                                            "activations excluded from the statistics")
+                try:
+                    with torch.no_grad():
+                        res = meth.compress_block(block, tasks)
+                except EdgePruneError:
+                    raise
+                except Exception as e:  # numerical failure inside a method: fall back, keep going
+                    res = _baseline_results(cfg, tasks, f"{cfg.method} failed ({type(e).__name__}: {e})")
+                for t in tasks:
+                    r = res[t.name]
+                    if not bool(torch.isfinite(r.weight).all()):
+                        r = _baseline_results(cfg, [t], f"{cfg.method} produced non-finite weights")[t.name]
+                    _write_back(t, r, result)
+                    if r.reference is not None:
+                        ref[t.name] = r.reference.float()
+                    final_stats[t.name] = r.stats if r.stats is not None else t.stats
+            if measure_errors:
+                for n, st in final_stats.items():
+                    if st.h_sum is not None and st.n_tokens:
+                        result.layer_errors[n] = relative_error(ref[n], modules[n].weight.detach().float(),
+                                                                st.hessian)
+            with torch.no_grad():
+                _run_block(block, batches)
+            block.to(blk_dev)
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+    finally:
+        for mod in moved:
+            _move_own(mod, base_dev)
+        model.train(was_training)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _move_own(mod: nn.Module, device) -> None:
+    for p in mod.parameters(recurse=False):
+        p.data = p.data.to(device)
+    for name, b in list(mod.named_buffers(recurse=False)):
+        setattr(mod, name, b.to(device))
+
+
+def _write_back(task: LayerTask, r: LayerResult, result: CompressionResult) -> None:
+    """Copy a method's result into the module and the :class:`CompressionResult`."""
+    mod = task.module
+    w = r.weight
+    mask = r.mask
+    if task.mask is not None:
+        mask = task.mask if mask is None else (mask & task.mask)
+    if mask is not None:
+        w = w * mask
+        result.masks[task.name] = mask.cpu()
+        pat = r.pattern or result.sparsity_pattern.get(task.name, "unstructured")
+        result.sparsity_pattern[task.name] = pat
+    mod.weight.data.copy_(w.to(device=mod.weight.device, dtype=mod.weight.dtype))
+    if r.quantized is not None:
+        result.quantized[task.name] = r.quantized
+    result.fallbacks.extend(r.notes)
+
+
+__all__ = ["compress", "CompressionResult", "find_decoder_blocks"]

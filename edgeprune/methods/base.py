@@ -1,0 +1,311 @@
+"""The one small interface every compression method implements, and shared helpers.
+
+The engine (:mod:`edgeprune.engine`) runs the calibration data block by block, gathers
+per-linear input statistics (:class:`InputStats`) with forward hooks and hands each
+method the target linears of one decoder block as :class:`LayerTask` objects. The
+method returns one :class:`LayerResult` per layer: a new dense weight (masked or
+fake-quantized), plus the keep-mask (pruning) or integer codes (quantization). The
+engine writes the weights back; it never special-cases a method by name.
+
+Layers that read the *same* input tensor (q/k/v_proj; gate/up_proj) share one
+:class:`InputStats` object, so their Hessian is computed once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..quantize import QuantizedWeight, check_quant_args
+
+
+@dataclass
+class InputStats:
+    """Calibration statistics of one linear-layer input ``X [n_tokens, in]``.
+
+    Padded positions (``attention_mask == 0``) and tokens whose activations are not
+    finite never enter these sums.
+
+    Attributes:
+        h_sum: ``float32 [in, in]`` ``X^T X`` (``None`` when no method needs it).
+        sq_sum: ``float32 [in]`` ``sum_t x_tj^2`` (``||X_j||_2^2``, Wanda's norm squared).
+        abs_sum: ``float32 [in]`` ``sum_t |x_tj|`` (AWQ's activation magnitude).
+        n_tokens: tokens accumulated.
+        n_excluded: tokens dropped because their activations were NaN/inf.
+    """
+
+    h_sum: Optional[torch.Tensor]
+    sq_sum: torch.Tensor
+    abs_sum: torch.Tensor
+    n_tokens: int = 0
+    n_excluded: int = 0
+
+    @classmethod
+    def empty(cls, in_features: int, hessian: bool, device="cpu") -> "InputStats":
+        z = lambda *s: torch.zeros(*s, dtype=torch.float32, device=device)  # noqa: E731
+        return cls(h_sum=z(in_features, in_features) if hessian else None,
+                   sq_sum=z(in_features), abs_sum=z(in_features))
+
+    def add(self, x: torch.Tensor) -> None:
+        """Accumulate ``x [tokens, in]`` (already filtered to valid, finite tokens)."""
+        if x.shape[0] == 0:
+            return
+        x = x.float()
+        if self.h_sum is not None:
+            self.h_sum.addmm_(x.t(), x)
+        self.sq_sum += (x * x).sum(0)
+        self.abs_sum += x.abs().sum(0)
+        self.n_tokens += x.shape[0]
+
+    @property
+    def hessian(self) -> torch.Tensor:
+        """``H = X^T X / n_tokens`` ``[in, in]`` (the GPTQ/SparseGPT Hessian up to the factor 2)."""
+        if self.h_sum is None:
+            raise RuntimeError("Hessian was not accumulated for this layer")
+        return self.h_sum / max(self.n_tokens, 1)
+
+    @property
+    def act_norm(self) -> torch.Tensor:
+        """``||X_j||_2`` per input channel ``[in]`` (Wanda)."""
+        return self.sq_sum.sqrt()
+
+    @property
+    def abs_mean(self) -> torch.Tensor:
+        """``mean_t |x_tj|`` per input channel ``[in]`` (AWQ)."""
+        return self.abs_sum / max(self.n_tokens, 1)
+
+    def scaled(self, s: torch.Tensor) -> "InputStats":
+        """Statistics of ``x / s`` (AWQ folds ``s`` into the preceding op): exact transform."""
+        inv = 1.0 / s.float()
+        return InputStats(
+            h_sum=None if self.h_sum is None else self.h_sum * inv[:, None] * inv[None, :],
+            sq_sum=self.sq_sum * inv * inv, abs_sum=self.abs_sum * inv,
+            n_tokens=self.n_tokens, n_excluded=self.n_excluded)
+
+
+@dataclass
+class LayerTask:
+    """One target linear of the current block, as a method sees it.
+
+    Attributes:
+        name: module name as in ``model.named_modules()``.
+        module: the ``nn.Linear`` (methods may read it; the engine writes the result back).
+        weight: ``float32 [out, in]`` copy of the current weight.
+        mask: ``bool [out, in]`` kept weights from an earlier pruning stage, or ``None``.
+        stats: calibration statistics of the layer's input (shared within q/k/v, gate/up).
+        quantize: ``False`` when a later stage will quantize this layer (AWQ then only
+            folds scales and clips).
+    """
+
+    name: str
+    module: nn.Linear
+    weight: torch.Tensor
+    mask: Optional[torch.Tensor]
+    stats: InputStats
+    quantize: bool = True
+
+
+@dataclass
+class LayerResult:
+    """What a method returns for one layer.
+
+    Attributes:
+        weight: ``float32 [out, in]`` new dense-equivalent weight (masked and/or
+            dequantized); the engine writes it back in the layer's dtype.
+        mask: ``bool [out, in]`` kept weights (pruning methods), else ``None``.
+        pattern: ``"2:4"``-style or ``"unstructured"`` for pruned layers.
+        quantized: integer codes/scales/zeros (quantization methods).
+        notes: fallbacks taken, human-readable (end up in ``CompressionResult.fallbacks``).
+        reference: the layer's uncompressed weight expressed in the coordinates of its new
+            input/output when the method rescaled them (AWQ folding); errors are measured
+            against it.
+        stats: input statistics in those new coordinates (AWQ), else ``None``.
+        error: relative reconstruction error when the method computed it.
+    """
+
+    weight: torch.Tensor
+    mask: Optional[torch.Tensor] = None
+    pattern: Optional[str] = None
+    quantized: Optional[QuantizedWeight] = None
+    notes: list = field(default_factory=list)
+    reference: Optional[torch.Tensor] = None
+    stats: Optional[InputStats] = None
+    error: Optional[float] = None
+
+
+class Method:
+    """Base class of the compression methods.
+
+    Subclasses set ``name``, ``kind`` (``"prune"`` or ``"quant"``), ``needs_hessian``
+    and implement :meth:`compress_layer` (one layer) or :meth:`compress_group` (layers
+    sharing one input, e.g. q/k/v), or :meth:`compress_block` for methods that
+    rewrite several modules jointly (AWQ).
+    """
+
+    name = ""
+    kind = "prune"
+    needs_hessian = False
+
+    def __init__(self, config):
+        self.config = config
+
+    # -- validation -------------------------------------------------------------
+    def check_layer(self, name: str, out_features: int, in_features: int) -> None:
+        """Raise :class:`ConfigError` when this method cannot handle a layer's shape."""
+        c = self.config
+        if getattr(c, "prune_m", 0):
+            if in_features % c.prune_m:
+                raise ConfigError(
+                    f"{name}: input size {in_features} is not divisible by prune_m={c.prune_m}",
+                    f"use an N:M pattern whose M divides {in_features} (e.g. 2:4), or add "
+                    f"{name.rsplit('.', 1)[-1]!r} to ignore")
+        bits = getattr(c, "bits", None)
+        if bits is not None:
+            check_quant_args(bits, c.group_size, in_features, name=name)
+
+    # -- compression ------------------------------------------------------------
+    def compress_block(self, block: nn.Module, tasks: list[LayerTask]) -> dict[str, LayerResult]:
+        """Compress the target linears of one block; default: by shared-input group."""
+        groups: dict[int, list[LayerTask]] = {}
+        for t in tasks:
+            groups.setdefault(id(t.stats), []).append(t)
+        out: dict[str, LayerResult] = {}
+        for g in groups.values():
+            for t, r in zip(g, self.compress_group(g)):
+                out[t.name] = r
+        return out
+
+    def compress_group(self, tasks: list[LayerTask]) -> list[LayerResult]:
+        """Compress layers that share one input (same :class:`InputStats`)."""
+        return [self.compress_layer(t) for t in tasks]
+
+    def compress_layer(self, task: LayerTask) -> LayerResult:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+# -- shared helpers ---------------------------------------------------------------
+
+def pattern_name(cfg) -> str:
+    """``"2:4"`` for N:M configs, else ``"unstructured"``."""
+    return f"{cfg.prune_n}:{cfg.prune_m}" if getattr(cfg, "prune_n", 0) else "unstructured"
+
+
+def nm_keep_mask(score: torch.Tensor, prune_n: int, prune_m: int) -> torch.Tensor:
+    """Keep the ``prune_n`` highest-scoring weights of every ``prune_m`` consecutive inputs.
+
+    Args:
+        score: ``[out, in]`` importance (higher = keep); ``in % prune_m == 0``.
+
+    Returns:
+        ``bool [out, in]`` keep-mask with exactly ``prune_n`` True per group of ``prune_m``.
+    """
+    out, inp = score.shape
+    s = score.reshape(out, inp // prune_m, prune_m)
+    idx = torch.topk(s, prune_n, dim=-1, largest=True).indices
+    keep = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, idx, True)
+    return keep.reshape(out, inp)
+
+
+def row_keep_mask(score: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """Per-output-row pruning (Wanda's comparison group) with an exact layer total.
+
+    Each row prunes ``k`` or ``k+1`` of its lowest scores so the layer removes exactly
+    ``round(out*in*sparsity)`` weights (per-layer sparsity within ``1/(out*in)`` of the
+    target); the ``k+1``-th weight is removed in the rows where it scores lowest.
+
+    Returns:
+        ``bool [out, in]`` keep-mask.
+    """
+    out, inp = score.shape
+    total = int(round(out * inp * sparsity))
+    k, extra = divmod(total, out)
+    order = torch.argsort(score, dim=1, stable=True)  # ascending: first = pruned first
+    n_prune = torch.full((out,), k, dtype=torch.long)
+    if extra and k < inp:
+        nxt = score.gather(1, order[:, k:k + 1]).squeeze(1)
+        rows = torch.argsort(nxt, stable=True)[:extra]
+        n_prune[rows] += 1
+    ranks = torch.empty_like(order)
+    ranks.scatter_(1, order, torch.arange(inp).expand(out, inp).contiguous())
+    return ranks >= n_prune[:, None]
+
+
+def layer_keep_mask(score: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """Per-layer pruning: remove exactly ``round(numel*sparsity)`` lowest scores."""
+    total = int(round(score.numel() * sparsity))
+    keep = torch.ones(score.numel(), dtype=torch.bool)
+    if total:
+        idx = torch.argsort(score.flatten(), stable=True)[:total]
+        keep[idx] = False
+    return keep.reshape(score.shape)
+
+
+def relative_error(w_ref: torch.Tensor, w_new: torch.Tensor, H: torch.Tensor) -> float:
+    """``||W X - W' X||^2 / ||W X||^2`` computed as ``tr(dW H dW^T) / tr(W H W^T)``.
+
+    Args:
+        w_ref, w_new: ``[out, in]``; H: ``[in, in]`` ``= X^T X / n``.
+    """
+    d = (w_ref.float() - w_new.float())
+    num = float(((d @ H) * d).sum())
+    den = float(((w_ref.float() @ H) * w_ref.float()).sum())
+    if not den > 0:
+        return 0.0 if num == 0 else float("inf")
+    return num / den
+
+
+def damped_cholesky_inverse(H: torch.Tensor, percdamp: float, *, tries: int = 4
+                            ) -> tuple[Optional[torch.Tensor], float, int]:
+    """Upper Cholesky factor of ``(H + damp*I)^-1``, as in GPTQ/SparseGPT (Algorithm 1).
+
+    ``damp = percdamp * mean(diag(H))``. When the factorization fails (singular or
+    indefinite ``H``), the damping is multiplied by 10 and retried, ``tries`` times in all.
+
+    Args:
+        H: ``float32 [in, in]`` symmetric Hessian (dead channels already fixed).
+        percdamp: relative damping (0.01 = 1% of the mean diagonal).
+
+    Returns:
+        ``(U, damp, attempts)``: ``U [in, in]`` upper-triangular with
+        ``U^T U = (H + damp I)^-1``, or ``None`` when every try failed (the caller then
+        falls back to round-to-nearest / magnitude for this layer).
+    """
+    n = H.shape[0]
+    mean_diag = float(torch.diagonal(H).mean())
+    if not (mean_diag > 0 and torch.isfinite(H).all()):
+        return None, 0.0, 0
+    base = max(percdamp, 1e-6) * mean_diag
+    eye = torch.eye(n, dtype=H.dtype, device=H.device)
+    for attempt in range(tries):
+        damp = base * (10 ** attempt)
+        L, info = torch.linalg.cholesky_ex(H + damp * eye)
+        if int(info) != 0:
+            continue
+        Hinv = torch.cholesky_inverse(L)
+        U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+        if int(info) == 0 and torch.isfinite(U).all():
+            return U, damp, attempt + 1
+    return None, base * 10 ** (tries - 1), tries
+
+
+def fix_dead_channels(H: torch.Tensor) -> torch.Tensor:
+    """Dead input channels (``H_jj == 0``: the input is always zero) get ``H_jj = 1``.
+
+    GPTQ's reference also zeroes their weights; we keep them (quantized without error
+    feedback, since nothing else depends on them) so the layer stays usable on inputs
+    that do activate the channel. The calibration loss is identical either way.
+    """
+    H = H.clone()
+    dead = torch.diagonal(H) == 0
+    if dead.any():
+        H[dead, dead] = 1.0
+    return H
+
+
+__all__ = ["InputStats", "LayerTask", "LayerResult", "Method", "nm_keep_mask", "row_keep_mask",
+           "layer_keep_mask", "relative_error", "damped_cholesky_inverse", "fix_dead_channels",
+           "pattern_name"]

@@ -1,0 +1,225 @@
+"""GPTQ: Accurate Post-Training Quantization for Generative Pre-trained Transformers
+(Frantar, Ashkboos, Hoefler & Alistarh, ICLR 2023).
+
+GPTQ quantizes a layer's weight ``W [out, in]`` one input column at a time and spreads
+each column's rounding error over the not-yet-quantized columns with the inverse
+Hessian of the layer-wise loss ``||W X - W_hat X||^2`` (``H = 2 X^T X``). Algorithm 1
+of the paper, as implemented by :func:`gptq_quantize`:
+
+1. ``H <- H + damp * I`` with ``damp = damp_percent * mean(diag(H))``; dead input
+   channels (``H_jj = 0``) get ``H_jj = 1``.
+2. ``U = Cholesky(H^-1)^T`` (upper): row ``j`` of ``U`` holds the OBS update
+   coefficients for column ``j`` given that columns ``< j`` are already fixed.
+3. For each block of ``blocksize`` columns ("lazy batch updates"), for each column ``j``:
+   ``q_j = quant(w_j)``; ``e_j = (w_j - q_j) / U_jj``; ``W[:, j:] -= e_j U[j, j:]``
+   inside the block; after the block, ``W[:, block_end:] -= E U[block, block_end:]``.
+4. Group-wise grids: the scale/zero of a group of ``group_size`` columns are computed
+   when the quantizer reaches the group's first column (from the error-updated
+   weights), as in the reference code.
+
+``act_order`` ("desc_act") quantizes columns in order of decreasing ``H_jj``. With
+dynamic groups the groups are then contiguous *in that order*, so a column's group is
+``g_idx[j] = position_of_j // group_size`` (non-monotone); with ``static_groups`` the
+grids are computed up front on the original column order, so ``g_idx`` is the default
+``j // group_size`` and the exporter needs no ``g_idx``. In both cases the returned
+codes are in the ORIGINAL column order.
+
+Composition with pruning: when the layer already carries a keep-mask (e.g. SparseGPT
+2:4 before), every pruned weight is quantized to exactly zero inside the column loop
+(its value, moved by earlier error feedback, is treated as rounding error and
+compensated), so the mask survives.
+
+Fallback: when ``H + damp I`` is not positive definite the damping is multiplied by 10
+(up to 4 tries); if it still fails, the layer is quantized by round-to-nearest and the
+fallback is reported.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..quantize import QuantizedWeight, check_quant_args, qparams, rtn_quantize
+from .base import (LayerResult, LayerTask, Method, damped_cholesky_inverse, fix_dead_channels)
+
+
+def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 64,
+                  sym: bool = False, act_order: bool = False, static_groups: bool = False,
+                  damp_percent: float = 0.01, blocksize: int = 128,
+                  mask: Optional[torch.Tensor] = None, tries: int = 4, name: str = "layer"
+                  ) -> tuple[Optional[QuantizedWeight], dict]:
+    """Quantize ``W`` with GPTQ (Algorithm 1 of Frantar et al. 2023).
+
+    Args:
+        W: ``[out, in]`` weight (any float dtype; computed in float32).
+        H: ``[in, in]`` Hessian ``X^T X / n`` of the layer input (the factor 2 cancels).
+        bits: 2, 3, 4 or 8. group_size: -1 (per row) or a divisor of ``in``.
+        sym: symmetric grid. act_order: quantize columns by decreasing ``H_jj``.
+        static_groups: with ``act_order``, fix group grids before reordering.
+        damp_percent: damping as a fraction of ``mean(diag(H))``.
+        blocksize: lazy-batch block width (columns).
+        mask: optional ``bool [out, in]`` keep-mask; pruned weights stay exactly zero.
+        tries: damping attempts (x10 each) before giving up.
+
+    Returns:
+        ``(qweight, info)``: :class:`QuantizedWeight` with codes in the original column
+        order (``None`` when the Hessian stayed singular: the caller falls back to RTN),
+        and ``info = {"damp": float, "attempts": int}``.
+
+    Raises:
+        ConfigError: unsupported ``bits``/``group_size`` for this layer.
+    """
+    out, cols = W.shape
+    gs = check_quant_args(bits, group_size, cols, name=name)
+    n_groups = cols // gs
+    maxq = 2 ** bits - 1
+    W = W.detach().float().clone()
+    if mask is not None:
+        mask = mask.to(torch.bool)
+        W = W * mask
+    H = fix_dead_channels(H.detach().float())
+
+    static_s = static_z = None
+    if static_groups and gs < cols:
+        static_s = torch.empty(out, n_groups)
+        static_z = torch.empty(out, n_groups)
+        for g in range(n_groups):
+            s, z = qparams(W[:, g * gs:(g + 1) * gs], bits, sym)
+            static_s[:, g], static_z[:, g] = s[:, 0], z[:, 0]
+
+    perm = None
+    if act_order:
+        perm = torch.argsort(torch.diagonal(H), descending=True, stable=True)
+        W = W[:, perm]
+        H = H[perm][:, perm]
+        if mask is not None:
+            mask = mask[:, perm]
+
+    U, damp, attempts = damped_cholesky_inverse(H, damp_percent, tries=tries)
+    info = {"damp": damp, "attempts": attempts}
+    if U is None:
+        return None, info
+
+    codes = torch.zeros(out, cols)
+    scales = torch.zeros(out, n_groups)
+    zeros = torch.zeros(out, n_groups)
+    s = z = None
+    if gs == cols:  # one group per row: grid from the whole row (order irrelevant)
+        s, z = qparams(W, bits, sym)
+        scales[:, 0], zeros[:, 0] = s[:, 0], z[:, 0]
+
+    for i1 in range(0, cols, blocksize):
+        i2 = min(i1 + blocksize, cols)
+        count = i2 - i1
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros(out, count)
+        U1 = U[i1:i2, i1:i2]
+        M1 = None if mask is None else mask[:, i1:i2]
+        for i in range(count):
+            col = i1 + i
+            if static_s is not None:
+                g = int(perm[col]) // gs if perm is not None else col // gs
+                s, z = static_s[:, g:g + 1].squeeze(1), static_z[:, g:g + 1].squeeze(1)
+            elif gs < cols and col % gs == 0:
+                g = col // gs
+                seg = W1[:, i:i + gs] if i + gs <= count else torch.cat([W1[:, i:], W[:, i2:col + gs]], 1)
+                if mask is not None:
+                    seg = seg * mask[:, col:col + gs]
+                s2, z2 = qparams(seg, bits, sym)
+                s, z = s2[:, 0], z2[:, 0]
+                scales[:, g], zeros[:, g] = s, z
+            elif gs == cols:
+                s, z = scales[:, 0], zeros[:, 0]
+            w = W1[:, i]
+            c = torch.clamp(torch.round(w / s) + z, 0, maxq)
+            if M1 is not None:
+                c = torch.where(M1[:, i], c, z)
+            q = (c - z) * s
+            codes[:, col] = c
+            err = (w - q) / U1[i, i]
+            W1[:, i:].addr_(err, U1[i, i:], alpha=-1.0)
+            Err1[:, i] = err
+        if i2 < cols:
+            W[:, i2:].addmm_(Err1, U[i1:i2, i2:], alpha=-1.0)
+
+    g_idx = None
+    if perm is not None:
+        inv = torch.argsort(perm)
+        codes = codes[:, inv]
+        if static_s is None and gs < cols:
+            g_idx = (torch.arange(cols) // gs)[inv].to(torch.int32)
+    if static_s is not None:
+        scales, zeros = static_s, static_z
+    qw = QuantizedWeight(codes=codes.to(torch.uint8), scales=scales.float(),
+                         zeros=zeros.to(torch.uint8), bits=bits, group_size=gs, sym=sym, g_idx=g_idx,
+                         meta={"method": "gptq", "damp": damp, "act_order": act_order,
+                               "static_groups": bool(static_groups)})
+    return qw, info
+
+
+def split_rows(qw: QuantizedWeight, sizes: list[int]) -> list[QuantizedWeight]:
+    """Split a :class:`QuantizedWeight` of concatenated layers back into one per layer."""
+    outs, start = [], 0
+    for n in sizes:
+        sl = slice(start, start + n)
+        outs.append(QuantizedWeight(codes=qw.codes[sl].clone(), scales=qw.scales[sl].clone(),
+                                    zeros=qw.zeros[sl].clone(), bits=qw.bits, group_size=qw.group_size,
+                                    sym=qw.sym, g_idx=None if qw.g_idx is None else qw.g_idx.clone(),
+                                    meta=dict(qw.meta)))
+        start += n
+    return outs
+
+
+class GPTQ(Method):
+    """GPTQ quantization (:class:`~edgeprune.recipe.GPTQConfig`).
+
+    Layers that share one input (q/k/v_proj, gate/up_proj) share one Hessian; since
+    GPTQ treats rows independently given ``H``, their rows are stacked and quantized in
+    one pass (same result as one pass per layer, fewer Python iterations).
+    """
+
+    name = "gptq"
+    kind = "quant"
+    needs_hessian = True
+
+    def compress_group(self, tasks: list[LayerTask]) -> list[LayerResult]:
+        c = self.config
+        stats = tasks[0].stats
+        names = ", ".join(t.name for t in tasks)
+        W = torch.cat([t.weight for t in tasks], 0)
+        masks = [t.mask for t in tasks]
+        mask = None
+        if any(m is not None for m in masks):
+            mask = torch.cat([m if m is not None else torch.ones_like(t.weight, dtype=torch.bool)
+                              for m, t in zip(masks, tasks)], 0)
+        notes = []
+        qw = None
+        if stats.n_tokens == 0 or not bool((torch.diagonal(stats.h_sum) > 0).any()):
+            notes.append(f"{names}: no usable calibration activations -> RTN")
+        else:
+            qw, info = gptq_quantize(W, stats.hessian, bits=c.bits, group_size=c.group_size, sym=c.sym,
+                                     act_order=c.act_order, static_groups=c.static_groups,
+                                     damp_percent=c.damp_percent, blocksize=c.blocksize, mask=mask,
+                                     name=tasks[0].name)
+            if qw is None:
+                notes.append(f"{names}: Hessian singular -> damp x10 ({info['attempts']} tries) -> RTN")
+            elif info["attempts"] > 1:
+                notes.append(f"{names}: Hessian not positive definite -> damp x{10 ** (info['attempts'] - 1)}")
+            if qw is not None and not bool(torch.isfinite(qw.scales).all()):
+                notes.append(f"{names}: non-finite GPTQ result -> RTN")
+                qw = None
+        results = []
+        if qw is None:
+            for t in tasks:
+                q = rtn_quantize(t.weight * (t.mask if t.mask is not None else 1), c.bits, c.group_size,
+                                 c.sym, name=t.name)
+                q.meta.update(method="gptq", fallback="rtn")
+                results.append(LayerResult(weight=q.dequantize(), quantized=q))
+            if results:
+                results[0].notes = notes
+            return results
+        for t, q in zip(tasks, split_rows(qw, [t.weight.shape[0] for t in tasks])):
+            results.append(LayerResult(weight=q.dequantize(), quantized=q))
+        results[0].notes = notes
+        return results

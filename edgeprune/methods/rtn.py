@@ -1,0 +1,27 @@
+"""Round-to-nearest (RTN) group-wise quantization: the data-free quantization baseline.
+
+Each group of ``group_size`` consecutive input weights of a row gets its own scale and
+zero point (min/max grid, see :mod:`edgeprune.quantize`) and every weight is rounded to
+the nearest grid point independently.
+"""
+
+from __future__ import annotations
+
+from ..quantize import rtn_quantize
+from .base import LayerResult, LayerTask, Method
+
+
+class RTN(Method):
+    """RTN quantization (:class:`~edgeprune.recipe.RTNConfig`)."""
+
+    name = "rtn"
+    kind = "quant"
+
+    def compress_layer(self, task: LayerTask) -> LayerResult:
+        c = self.config
+        q = rtn_quantize(task.weight, c.bits, c.group_size, c.sym, name=task.name)
+        q.meta["method"] = "rtn"
+        w = q.dequantize()
+        if task.mask is not None:  # zero is on every grid, so pruned weights stay zero
+            w = w * task.mask
+        return LayerResult(weight=w, quantized=q)
