@@ -1,0 +1,243 @@
+"""ONNX exporters: a compressed (or dense) HF decoder -> a folder the runtime loads.
+
+Public API: :func:`export_onnx` -> :class:`ExportResult`. The graph is built from the
+weights with ``onnx.helper`` (``exporters.decoder``); int4 weights are packed from the
+quantizer's own integer codes (``exporters.int4``); 2:4 sparsity is verified, recorded
+and optionally stored in a compact form (``exporters.sparse24``).
+
+This package must not import ``edgeprune`` (dependencies flow edgeprune -> exporters ->
+runtime); quantized weights are duck-typed ``QuantizedWeight``-like objects.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import onnx
+
+from runtime.errors import ExportError
+
+from .decoder import BUILDERS, BuildOptions, DecoderSpec
+from .folder import atomic_folder, check_disk, check_out_dir, save_tokenizer, write_json
+
+FORMAT_VERSION = 1
+EXTERNAL_DATA_THRESHOLD = 2 * 1024 ** 3 - (64 << 20)
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export_onnx` wrote.
+
+    Attributes:
+        folder: the export folder.
+        files: ``{file name: bytes}``.
+        parity: validation summary (checker, shape inference, max |Δlogit|, top-1).
+        timings: seconds per stage (``build_s``, ``save_s``, ``validate_s``, ``total_s``).
+        metadata: the ``edgeprune.json`` content.
+    """
+
+    folder: Path
+    files: dict = field(default_factory=dict)
+    parity: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def model_bytes(self) -> int:
+        """Bytes of ``model.onnx`` plus its external data."""
+        return sum(v for k, v in self.files.items() if k.startswith("model.onnx"))
+
+    def summary(self) -> str:
+        """One human-readable paragraph for the CLI."""
+        p = self.parity
+        par = (f"parity on {p.get('window_tokens')} tokens: max|Δlogit| "
+               f"{p.get('max_abs_logit_diff', float('nan')):.2e}, top-1 "
+               f"{100 * p.get('top1_agreement', float('nan')):.2f}%") if "top1_agreement" in p \
+            else "parity not run"
+        return (f"exported {self.folder} ({self.model_bytes / 2**20:.1f} MiB model, "
+                f"{self.metadata.get('precision')}, graph {self.metadata.get('graph')}); "
+                f"onnx checker {p.get('onnx_checker', 'skipped')}, shape inference "
+                f"{p.get('shape_inference', 'skipped')}; {par}")
+
+
+def _source_dirs(model, provenance: Optional[dict]) -> list[Path]:
+    out = []
+    for cand in (getattr(getattr(model, "config", None), "_name_or_path", None),
+                 (provenance or {}).get("checkpoint"), (provenance or {}).get("source")):
+        if cand and Path(str(cand)).is_dir():
+            out.append(Path(str(cand)))
+    return out
+
+
+def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
+                quantized: Optional[dict] = None, masks: Optional[dict] = None,
+                sparsity: Optional[dict] = None, sparse_24: bool = False,
+                compact_24: bool = False, graph: str = "fused", lm_head: Optional[str] = None,
+                accuracy_level: int = 4, group_size: int = 32, max_length: Optional[int] = None,
+                provenance: Optional[dict] = None, overwrite: bool = False,
+                validate: bool = True, external_data: bool = False,
+                parity_tokens: int = 64) -> ExportResult:
+    """Export an HF llama/qwen2 decoder to an ONNX folder with a KV cache.
+
+    Args:
+        model: transformers ``*ForCausalLM`` whose weights are the dense equivalent of the
+            checkpoint (fake-quantized / masked), fp32, eval mode.
+        tokenizer: its HF (fast) tokenizer, saved into the folder (``chat_template`` kept).
+        out_dir: output folder (written atomically: temp dir in the same parent, renamed).
+        precision: ``fp32`` | ``fp16`` | ``int4``. ``int4`` uses ``quantized`` codes where
+            given, and RTN (asym, ``group_size``) for linears absent from it.
+        quantized: ``{"model.layers.0.self_attn.q_proj": QuantizedWeight-like}`` (codes
+            uint8 [out,in], scales f32 [out,n_groups], zeros uint8, bits, group_size, sym,
+            g_idx) packed as-is into ``MatMulNBits`` (GPTQ, Frantar et al. 2023; AWQ, Lin
+            et al. 2024). Giving it implies int codes even when ``precision="fp32"``.
+        masks, sparsity: pruning info recorded in metadata (``{"pattern": "2:4", ...}``).
+        sparse_24: assert and record the exact 2:4 pattern of every linear.
+        compact_24: store 2:4 linears as non-zero values + 2-bit positions (expanded by
+            ONNX Runtime's constant folding at load; see ``exporters.sparse24``).
+        graph: ``fused`` (ORT contrib ops, shared KV buffer) | ``plain`` (standard ops).
+        lm_head: ``q8`` (default for int4 exports) | ``fp`` (default otherwise) | ``int4``.
+        accuracy_level: ``MatMulNBits`` compute type (4 = int8 activations, fastest on CPU;
+            0 = fp32 compute).
+        group_size: RTN group size for linears quantized here.
+        max_length: context length the rotary caches cover (default: the config's
+            ``max_position_embeddings``, capped at 8192).
+        provenance: free-form dict stored in ``edgeprune.json``.
+        overwrite: replace an existing ``out_dir``.
+        validate: run ``onnx.checker``, shape inference and one-window parity.
+        external_data: store weights in ``model.onnx.data`` (forced above 2 GB).
+        parity_tokens: window length of the parity check.
+
+    Returns:
+        :class:`ExportResult`.
+
+    Raises:
+        ExportError: bad options, output path inside the input folder or existing,
+            insufficient disk, a failed validation; nothing half-written is left.
+        UnsupportedArchitectureError: not a llama/qwen2 decoder or a non-Linear layer.
+    """
+    t0 = time.perf_counter()
+    out_dir = Path(out_dir)
+    quantized = dict(quantized or {})
+    if lm_head is None:
+        lm_head = "q8" if precision == "int4" else "fp"
+    if lm_head not in ("fp", "q8", "int4"):
+        raise ExportError(f"lm_head='{lm_head}' is unknown", "use fp, q8 or int4")
+    if compact_24 and not sparse_24:
+        sparse_24 = True
+    check_out_dir(out_dir, _source_dirs(model, provenance), overwrite)
+    spec = DecoderSpec.from_model(model)
+    if max_length is None:
+        max_length = min(spec.max_position_embeddings, 8192)
+    opts = BuildOptions(precision=precision, graph=graph, lm_head=lm_head,
+                        accuracy_level=accuracy_level, max_length=int(max_length),
+                        group_size=group_size, quantized=quantized, compact_24=compact_24)
+    sparse_info = None
+    if sparse_24:
+        from .sparse24 import check_24
+        sparse_info = check_24(model)
+    builder = BUILDERS[spec.architecture](model, spec, opts)
+    if compact_24:
+        from .sparse24 import enable_compact
+        enable_compact(builder)
+    proto = builder.build()
+    t_build = time.perf_counter()
+    weight_bytes = builder.g.weight_bytes()
+    check_disk(out_dir.parent, weight_bytes)
+    external = external_data or weight_bytes > EXTERNAL_DATA_THRESHOLD
+
+    ints = {k: v for k, v in builder.quant_summary.items() if v.startswith("int")}
+    bits = sorted({int(v[3]) for v in ints.values()})
+    metadata = {
+        "format_version": FORMAT_VERSION,
+        "architecture": spec.architecture,
+        "num_layers": spec.num_layers, "hidden_size": spec.hidden_size,
+        "num_heads": spec.num_heads, "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim, "intermediate_size": spec.intermediate_size,
+        "vocab_size": spec.vocab_size, "max_length": int(max_length),
+        "rope": {"theta": spec.rope_theta, "scaling": spec.rope_scaling,
+                 "attention_scaling": spec.attention_scaling},
+        "rms_norm_eps": spec.rms_norm_eps, "tie_word_embeddings": spec.tie_word_embeddings,
+        "bos_token_id": getattr(model.config, "bos_token_id", None),
+        "eos_token_id": getattr(model.config, "eos_token_id", None),
+        "pad_token_id": getattr(model.config, "pad_token_id", None),
+        "precision": precision, "graph": graph,
+        "quantization": None if not ints else {
+            "bits": bits[0] if len(bits) == 1 else bits,
+            "group_size": group_size if not quantized else
+            sorted({int(getattr(q, "group_size", 0)) for q in quantized.values()}),
+            "sym": sorted({bool(getattr(q, "sym", False)) for q in quantized.values()})
+            if quantized else False,
+            "source": "checkpoint codes" if quantized else f"rtn asym g{group_size}",
+            "accuracy_level": accuracy_level, "lm_head": builder.quant_summary.get("lm_head"),
+            "layers": len(ints),
+        },
+        "lm_head": lm_head,
+        "sparsity": sparse_info or (sparsity if sparsity else None),
+        "sparse_24_speedup_claimed": False,
+        "compact_24": bool(compact_24),
+        "kv_layout": {"format": "BNSH",
+                      "buffer": "shared past/present [batch, kv_heads, max_length, head_dim]"
+                      if graph == "fused" else "concat: present = past ++ new",
+                      "dtype": "float16" if precision == "fp16" else "float32",
+                      **builder.io_metadata()},
+        "leank": None,
+        "countdown": None,
+        "provenance": provenance or {},
+    }
+    genai = {"model": {"type": spec.architecture, "context_length": int(max_length),
+                       "vocab_size": spec.vocab_size,
+                       "bos_token_id": metadata["bos_token_id"],
+                       "eos_token_id": metadata["eos_token_id"],
+                       "pad_token_id": metadata["pad_token_id"],
+                       "decoder": {"filename": "model.onnx", "head_size": spec.head_dim,
+                                   "hidden_size": spec.hidden_size,
+                                   "num_attention_heads": spec.num_heads,
+                                   "num_key_value_heads": spec.num_kv_heads,
+                                   "num_hidden_layers": spec.num_layers}},
+             "search": {"do_sample": False, "max_length": int(max_length), "temperature": 1.0,
+                        "top_k": 1, "top_p": 1.0, "repetition_penalty": 1.0,
+                        "past_present_share_buffer": graph == "fused"}}
+    gen_cfg = getattr(model, "generation_config", None)
+    if gen_cfg is not None:
+        for k in ("temperature", "top_k", "top_p", "repetition_penalty", "do_sample"):
+            v = getattr(gen_cfg, k, None)
+            if v is not None:
+                genai["search"][k] = v
+
+    parity = {}
+    timings = {"build_s": round(t_build - t0, 3)}
+    with atomic_folder(out_dir, overwrite=overwrite) as tmp:
+        ts = time.perf_counter()
+        mpath = tmp / "model.onnx"
+        if external:
+            onnx.save_model(proto, str(mpath), save_as_external_data=True,
+                            all_tensors_to_one_file=True, location="model.onnx.data",
+                            size_threshold=1024)
+        else:
+            onnx.save_model(proto, str(mpath))
+        del proto
+        save_tokenizer(tokenizer, tmp)
+        write_json(tmp / "genai_config.json", genai)
+        write_json(tmp / "edgeprune.json", metadata)
+        timings["save_s"] = round(time.perf_counter() - ts, 3)
+        if validate:
+            from .validate import check_graph, parity as run_parity
+            tv = time.perf_counter()
+            parity.update(check_graph(mpath))
+            parity.update(run_parity(model, tmp, seqlen=min(parity_tokens, int(max_length)),
+                                     int_weights=builder.int_weights))
+            timings["validate_s"] = round(time.perf_counter() - tv, 3)
+            metadata["validation"] = parity
+            write_json(tmp / "edgeprune.json", metadata)
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    timings["total_s"] = round(time.perf_counter() - t0, 3)
+    return ExportResult(folder=out_dir, files=files, parity=parity, timings=timings,
+                        metadata=metadata)
+
+
+__all__ = ["export_onnx", "ExportResult", "DecoderSpec", "BuildOptions", "BUILDERS"]

@@ -1,0 +1,110 @@
+"""Writing an export folder atomically (temp dir in the same parent, then rename)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from runtime.errors import ExportError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
+
+
+def check_out_dir(out_dir: Path, source_dirs: list[Path], overwrite: bool) -> None:
+    """Refuse an output path inside a source folder, or an existing one without overwrite.
+
+    Raises:
+        ExportError: with the fix (pick another path / pass overwrite=True).
+    """
+    out = out_dir.resolve()
+    for src in source_dirs:
+        src = Path(src).resolve()
+        if out == src or src in out.parents:
+            raise ExportError(f"output folder {out_dir} is inside the input folder {src}",
+                              "choose an output path outside the checkpoint folder")
+    if out.exists() and not overwrite:
+        raise ExportError(f"output folder {out_dir} already exists",
+                          "pass overwrite=True (--overwrite) or choose a new path")
+
+
+def check_disk(parent: Path, needed_bytes: int) -> None:
+    """Raise :class:`ExportError` when ``parent``'s file system lacks ``needed_bytes`` (+10%)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(parent).free
+    need = int(needed_bytes * 1.1) + (16 << 20)
+    if free < need:
+        raise ExportError(f"not enough disk space in {parent}: {free / 2**20:.0f} MiB free, "
+                          f"~{need / 2**20:.0f} MiB needed",
+                          "free some space or export to another disk")
+
+
+@contextmanager
+def atomic_folder(out_dir: Path, overwrite: bool = False):
+    """Yield a temp folder next to ``out_dir``; rename it to ``out_dir`` on success.
+
+    On any exception the temp folder is removed: nothing half-written is left.
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        yield tmp
+        if out_dir.exists():
+            if not overwrite:
+                raise ExportError(f"output folder {out_dir} appeared during the export",
+                                  "pass overwrite=True or choose a new path")
+            trash = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+            os.replace(out_dir, trash)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_tokenizer(tokenizer, folder: Path) -> list[str]:
+    """Save ``tokenizer`` (HF) into ``folder`` keeping ``chat_template`` inside
+    ``tokenizer_config.json``; returns the files written."""
+    if tokenizer is None:
+        return []
+    tokenizer.save_pretrained(str(folder))
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    tmpl = getattr(tokenizer, "chat_template", None)
+    if tmpl and not cfg.get("chat_template"):
+        cfg["chat_template"] = tmpl
+    for attr in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        v = getattr(tokenizer, attr, None)
+        if v is not None and attr not in cfg:
+            cfg[attr] = str(v)
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+    if not (folder / "tokenizer.json").exists():
+        raise ExportError("the tokenizer has no fast tokenizer.json",
+                          "load the model with a fast (tokenizers) tokenizer")
+    return sorted(p.name for p in folder.iterdir() if p.name in TOKENIZER_FILES
+                  or p.name.endswith(".jinja"))
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, default=_default))
+
+
+def _default(o):
+    import numpy as np
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)
+
+
+__all__ = ["check_out_dir", "check_disk", "atomic_folder", "save_tokenizer", "write_json"]

@@ -1,0 +1,106 @@
+"""Checks run on every export: ``onnx.checker``, shape inference, one-window parity."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from runtime.errors import ExportError
+
+
+def check_graph(model_path: Path) -> dict:
+    """``onnx.checker`` (full) and strict-off shape inference on the saved model file.
+
+    Raises:
+        ExportError: the checker rejects the graph.
+    """
+    t0 = time.perf_counter()
+    try:
+        onnx.checker.check_model(str(model_path))
+        inferred = onnx.shape_inference.infer_shapes_path(str(model_path), str(model_path) + ".si")
+        Path(str(model_path) + ".si").unlink(missing_ok=True)
+    except Exception as e:  # noqa: BLE001
+        raise ExportError(f"the exported graph failed onnx validation: {e}",
+                          "report this export (graph builder bug)") from e
+    del inferred
+    return {"onnx_checker": "ok", "shape_inference": "ok",
+            "check_s": round(time.perf_counter() - t0, 3)}
+
+
+class substituted_weights:
+    """Context manager: temporarily replace the model's weights by the exported
+    integer weights' dequantized values (the exact function the ONNX graph computes),
+    restoring the originals afterwards.
+
+    Args:
+        model: torch model.
+        int_weights: ``{module name: IntWeight}`` from the builder.
+    """
+
+    def __init__(self, model, int_weights: dict):
+        self.model, self.int_weights, self.saved = model, int_weights, {}
+
+    def __enter__(self):
+        import torch
+        mods = dict(self.model.named_modules())
+        with torch.no_grad():
+            for name, w in self.int_weights.items():
+                p = mods[name].weight
+                if name in self.saved or any(p is q for q in self.saved.values()):
+                    continue
+                self.saved[name] = p.detach().clone()
+                p.copy_(torch.from_numpy(w.dequantize(original_order=True)).to(p.dtype))
+        return self.model
+
+    def __exit__(self, *exc):
+        import torch
+        mods = dict(self.model.named_modules())
+        with torch.no_grad():
+            for name, orig in self.saved.items():
+                mods[name].weight.copy_(orig)
+        self.saved.clear()
+
+
+def parity(model, folder: Path, seqlen: int = 64, seed: int = 0,
+           int_weights: dict | None = None) -> dict:
+    """Run one window of token ids through the torch model and the exported folder.
+
+    Args:
+        model: the HF torch model the export came from.
+        folder: the (temporary) export folder, loaded with :func:`runtime.load`.
+        seqlen: window length in tokens.
+
+    Returns:
+        ``{"window_tokens", "max_abs_logit_diff", "mean_abs_logit_diff", "top1_agreement"}``.
+    """
+    import torch
+
+    import runtime
+
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    ids = rng.integers(0, vocab, size=(1, seqlen), dtype=np.int64)
+    with torch.no_grad():
+        dense = model(torch.from_numpy(ids)).logits.float().numpy()
+        if int_weights:
+            with substituted_weights(model, int_weights):
+                ref = model(torch.from_numpy(ids)).logits.float().numpy()
+        else:
+            ref = dense
+    with runtime.load(folder, max_length=max(seqlen, 16)) as sess:
+        got = sess.logits(ids)
+    diff = np.abs(got - ref)
+    out = {"window_tokens": seqlen, "reference": "torch model with the exported integer "
+           "weights dequantized" if int_weights else "torch model",
+           "max_abs_logit_diff": float(diff.max()),
+           "mean_abs_logit_diff": float(diff.mean()),
+           "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).mean())}
+    if int_weights:
+        out["top1_agreement_vs_given_model"] = float((got.argmax(-1) == dense.argmax(-1)).mean())
+    return out
+
+
+__all__ = ["check_graph", "parity"]

@@ -1,0 +1,14 @@
+"""edgeprune's embeddable runtime: a torch-free generation engine over onnxruntime.
+
+>>> import runtime
+>>> with runtime.load("out/smollm2-int4", threads=2) as s:
+...     print(s.generate("The capital of France is", max_new_tokens=16).text)
+
+Imports only onnxruntime, numpy, tokenizers, jinja2 and psutil (never torch).
+"""
+
+from .errors import EdgePruneError, GenerationError, RuntimeLoadError
+from .session import GenerationResult, Session, load
+
+__all__ = ["load", "Session", "GenerationResult", "EdgePruneError", "GenerationError",
+           "RuntimeLoadError"]

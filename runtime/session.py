@@ -1,0 +1,552 @@
+"""The generation engine: an exported folder -> ``generate`` / ``stream`` / ``logits``.
+
+Torch-free: onnxruntime, numpy, tokenizers (through ``runtime.tokenizer``) and psutil.
+
+Fused graphs (``GroupQueryAttention``) keep one preallocated KV buffer per layer
+(``runtime.kv_cache.SharedKVCache``) bound with IOBinding once per generation; each
+decode step only rewrites a few preallocated numpy arrays (the next token, ``seqlens_k``,
+``total_sequence_length``) that ONNX Runtime reads in place, and the logits land in a
+preallocated ``[B, 1, vocab]`` buffer: no per-step allocation proportional to the context.
+A batch is prefilled right-padded with per-row lengths (``seqlens_k``), which is exactly
+the per-row ragged cache GQA keeps, so padding is invisible to every row. Plain graphs
+use left padding with an attention mask and a growing concatenated cache.
+
+Context overflow (``context_policy``):
+
+* ``"error"`` (default): a prompt plus ``max_new_tokens`` that does not fit in
+  ``max_length`` raises :class:`GenerationError` naming ``max_length`` before any work.
+* ``"sliding_window"``: when a row's cache is full, the last ``max_length // 2`` tokens
+  are re-prefilled from position 0 (recomputation; rotary positions restart) and
+  generation continues. Never a silent overwrite of the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, Union
+
+import numpy as np
+import onnxruntime as ort
+
+from .errors import GenerationError, RuntimeLoadError
+from .kv_cache import ConcatKVCache, KVSpec, SharedKVCache
+from .sampling import Sampler
+from .tokenizer import Tokenizer
+
+Prompt = Union[str, Sequence[int], Sequence[str], Sequence[Sequence[int]]]
+REQUIRED_FILES = ("model.onnx", "edgeprune.json", "tokenizer.json")
+
+
+@dataclass
+class GenerationResult:
+    """Output of :meth:`Session.generate`.
+
+    Attributes:
+        texts: generated text per row (prompt excluded).
+        token_ids: generated ids per row.
+        prompt_tokens: prompt length (tokens) per row.
+        ttft_ms: time to first token (prefill + first sampling), milliseconds.
+        prefill_tok_s: prompt tokens (all rows) / prefill seconds.
+        decode_tok_s: generated tokens after the first, per row, / decode seconds.
+        step_ms: wall time of every decode step, milliseconds.
+        finish_reasons: ``"eos"``, ``"stop"`` or ``"length"`` per row.
+    """
+
+    texts: list
+    token_ids: list
+    prompt_tokens: list
+    ttft_ms: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    step_ms: list = field(default_factory=list)
+    finish_reasons: list = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        """The first row's text."""
+        return self.texts[0]
+
+
+def _providers(device: str, sparse_24: bool):
+    avail = ort.get_available_providers()
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    if device == "cuda":
+        if "CUDAExecutionProvider" not in avail:
+            raise RuntimeLoadError("device='cuda' but this onnxruntime has no CUDA provider "
+                                   f"(available: {', '.join(avail)})",
+                                   "pip install onnxruntime-gpu on a machine with an NVIDIA GPU, "
+                                   "or use device='cpu'")
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    if device == "tensorrt":
+        if "TensorrtExecutionProvider" not in avail:
+            raise RuntimeLoadError("device='tensorrt' but TensorRT is not available",
+                                   "install onnxruntime-gpu with TensorRT, or use 'cuda'/'cpu'")
+        # 2:4 structured sparsity kernels are opt-in in TensorRT.
+        return [("TensorrtExecutionProvider", {"trt_sparsity_enable": bool(sparse_24)}),
+                "CUDAExecutionProvider", "CPUExecutionProvider"]
+    raise RuntimeLoadError(f"device '{device}' is unknown", "use 'cpu', 'cuda' or 'tensorrt'")
+
+
+class Session:
+    """A loaded export folder. Use :func:`runtime.load` to build one.
+
+    Args:
+        folder: export folder (``model.onnx``, ``edgeprune.json``, ``tokenizer.json``...).
+        device: ``cpu`` | ``cuda`` | ``tensorrt`` (sets TensorRT's sparsity flag for 2:4
+            exports).
+        threads: intra-op threads (``None``: onnxruntime's default).
+        max_length: KV-cache length in tokens (default and upper bound: the export's).
+        context_policy: ``"error"`` | ``"sliding_window"`` (see module docstring).
+
+    Raises:
+        RuntimeLoadError: missing files, corrupt ``model.onnx`` / metadata, unknown device.
+    """
+
+    def __init__(self, folder, device: str = "cpu", threads: Optional[int] = None,
+                 max_length: Optional[int] = None, context_policy: str = "error"):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise RuntimeLoadError(f"{folder} is not a folder",
+                                   "pass the folder written by `edgeprune export`")
+        missing = [f for f in REQUIRED_FILES if not (self.folder / f).is_file()]
+        if missing:
+            raise RuntimeLoadError(f"{self.folder} is missing {', '.join(missing)}",
+                                   "re-run `edgeprune export` into a fresh folder")
+        try:
+            self.meta = json.loads((self.folder / "edgeprune.json").read_text())
+        except (OSError, ValueError) as e:
+            raise RuntimeLoadError(f"cannot read {self.folder / 'edgeprune.json'}: {e}",
+                                   "re-run `edgeprune export`; the metadata is corrupt") from e
+        if context_policy not in ("error", "sliding_window"):
+            raise GenerationError(f"context_policy '{context_policy}' is unknown",
+                                  "use 'error' or 'sliding_window'")
+        self.context_policy = context_policy
+        self.device = "cpu" if device == "cpu" else "cuda"
+        sparse = isinstance(self.meta.get("sparsity"), dict) and \
+            self.meta["sparsity"].get("pattern") == "2:4"
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads is not None:
+            so.intra_op_num_threads = int(threads)
+            so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        # Plain int4 graphs: ORT fuses DequantizeLinear+MatMul into MatMulNBits; keep the
+        # export's accuracy_level (4 = int8 activations) for that fusion too.
+        acc = (self.meta.get("quantization") or {}).get("accuracy_level")
+        if acc is not None:
+            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(int(acc)))
+        try:
+            self.sess = ort.InferenceSession(str(self.folder / "model.onnx"), so,
+                                             providers=_providers(device, sparse))
+        except RuntimeLoadError:
+            raise
+        except Exception as e:  # noqa: BLE001  (onnxruntime raises several types)
+            raise RuntimeLoadError(f"onnxruntime cannot load {self.folder / 'model.onnx'}: "
+                                   f"{str(e).splitlines()[0][:300]}",
+                                   "the file is corrupt or incomplete; re-run `edgeprune export`"
+                                   ) from e
+        self.tokenizer = Tokenizer.from_folder(self.folder)
+        names = {i.name for i in self.sess.get_inputs()}
+        self.fused = "seqlens_k" in names
+        self.kv = KVSpec.from_session(self.sess)
+        self.output_names = [o.name for o in self.sess.get_outputs()]
+        limit = int(self.meta.get("max_length") or 2048)
+        if max_length is not None and int(max_length) > limit:
+            raise GenerationError(f"max_length={max_length} exceeds the export's {limit}",
+                                  f"use max_length <= {limit} or re-export with a larger "
+                                  "--max-length")
+        self.max_length = int(max_length or limit)
+        self.vocab_size = int(self.meta.get("vocab_size") or
+                              self.sess.get_outputs()[0].shape[-1])
+        eos = self.meta.get("eos_token_id")
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_token_ids = sorted(set(eos) | set(self.tokenizer.eos_token_ids))
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else
+                                (self.eos_token_ids[0] if self.eos_token_ids else 0))
+        self._caches: dict[int, SharedKVCache] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ info
+    @property
+    def weights_bytes(self) -> int:
+        """Bytes of the model file(s) on disk (``model.onnx`` + external data)."""
+        return sum(p.stat().st_size for p in self.folder.iterdir()
+                   if p.name.startswith("model.onnx") and p.is_file())
+
+    def kv_cache_bytes(self, length: int, batch: int = 1) -> dict:
+        """``{"k": bytes, "v": bytes}`` for ``length`` cached tokens, from the graph's
+        actual past-key/value input shapes (a LeanK graph with fewer key channels
+        reports less)."""
+        return self.kv.bytes(int(length), int(batch))
+
+    # ---------------------------------------------------------------- inputs
+    def _encode(self, prompt: Prompt, chat: bool) -> tuple[list[list[int]], bool]:
+        if isinstance(prompt, str):
+            prompts, batched = [prompt], False
+        elif isinstance(prompt, np.ndarray):
+            prompts = prompt.tolist() if prompt.ndim == 2 else [prompt.tolist()]
+            batched = prompt.ndim == 2
+        elif isinstance(prompt, (list, tuple)) and len(prompt) > 0 and \
+                all(isinstance(t, (int, np.integer)) for t in prompt):
+            prompts, batched = [list(prompt)], False
+        elif isinstance(prompt, (list, tuple)) and len(prompt) > 0:
+            prompts, batched = list(prompt), True
+        else:
+            raise GenerationError("the prompt is empty", "pass a non-empty string or token ids")
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if chat:
+                    p = self.tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                           add_generation_prompt=True)
+                ids = self.tokenizer.encode(p, add_special_tokens=False) if p else []
+            else:
+                ids = [int(t) for t in p]
+            if not ids:
+                raise GenerationError("the prompt is empty", "pass a non-empty string or token ids")
+            if max(ids) >= self.vocab_size or min(ids) < 0:
+                raise GenerationError(f"token id out of range [0, {self.vocab_size})",
+                                      "encode the prompt with this folder's tokenizer")
+            if len(ids) > self.max_length:
+                raise GenerationError(f"the prompt has {len(ids)} tokens, more than the context "
+                                      f"max_length={self.max_length}",
+                                      "shorten the prompt or load with a larger max_length")
+            out.append(ids)
+        return out, batched
+
+    # ---------------------------------------------------------------- logits
+    def logits(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None
+               ) -> np.ndarray:
+        """Prefill-only logits of every position: ``float32 [B, S, vocab]``.
+
+        Args:
+            input_ids: ``int64 [B, S]``.
+            attention_mask: ``int64 [B, S]``, 1 on real tokens; padding must be on the
+                left (as in HF). Padded positions return zeros.
+
+        Raises:
+            GenerationError: ``S`` exceeds ``max_length`` or a row has no real token.
+        """
+        ids = np.asarray(input_ids, dtype=np.int64)
+        if ids.ndim == 1:
+            ids = ids[None]
+        B, S = ids.shape
+        mask = np.ones_like(ids) if attention_mask is None else \
+            np.asarray(attention_mask, dtype=np.int64)
+        if S > self.max_length:
+            raise GenerationError(f"{S} tokens exceed max_length={self.max_length}",
+                                  "evaluate shorter windows or load with a larger max_length")
+        lens = mask.sum(1)
+        if (lens == 0).any():
+            raise GenerationError("a row of attention_mask has no real token",
+                                  "drop empty rows")
+        with self._lock:
+            if not self.fused:
+                pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
+                cache = ConcatKVCache(self.kv, B, self.device)
+                out = self._run_plain(ids, mask, pos, S, cache)
+                return out * mask[..., None]
+            rows = [ids[b][mask[b] == 1] for b in range(B)]
+            packed = np.full((B, S), self.pad_token_id, np.int64)
+            for b, r in enumerate(rows):
+                packed[b, :len(r)] = r
+            cache = SharedKVCache(self.kv, B, max(S, 1), self.device)
+            full = self._run_fused(packed, (lens - 1).astype(np.int32), S, S, cache)
+            out = np.zeros((B, S, full.shape[-1]), np.float32)
+            for b in range(B):
+                n = int(lens[b])
+                out[b, S - n:] = full[b, :n]
+            return out
+
+    def _run_fused(self, ids, seqlens_k, total, keep, cache: SharedKVCache) -> np.ndarray:
+        bd = self.sess.io_binding()
+        bd.bind_cpu_input("input_ids", np.ascontiguousarray(ids))
+        bd.bind_cpu_input("seqlens_k", np.ascontiguousarray(seqlens_k, dtype=np.int32))
+        bd.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
+        bd.bind_cpu_input("num_logits_to_keep", np.array(keep, np.int64))
+        cache.bind(bd)
+        bd.bind_output("logits", "cpu")
+        self.sess.run_with_iobinding(bd)
+        return bd.get_outputs()[self.output_names.index("logits")].numpy()
+
+    def _run_plain(self, ids, mask, pos, keep, cache: ConcatKVCache) -> np.ndarray:
+        bd = self.sess.io_binding()
+        bd.bind_cpu_input("input_ids", np.ascontiguousarray(ids))
+        bd.bind_cpu_input("attention_mask", np.ascontiguousarray(mask))
+        bd.bind_cpu_input("position_ids", np.ascontiguousarray(pos))
+        bd.bind_cpu_input("num_logits_to_keep", np.array(keep, np.int64))
+        cache.bind(bd)
+        bd.bind_output("logits", "cpu")
+        self.sess.run_with_iobinding(bd)
+        outs = bd.get_outputs()
+        cache.update(outs, self.output_names)
+        return outs[self.output_names.index("logits")].numpy()
+
+    # -------------------------------------------------------------- generate
+    def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+                 stop: Optional[list] = None, seed: Optional[int] = None,
+                 chat: bool = False) -> GenerationResult:
+        """Generate continuations.
+
+        Args:
+            prompt: a string, token ids, or a batch of either (rows may differ in length;
+                padding is invisible).
+            max_new_tokens: tokens to generate per row (>= 1).
+            temperature, top_k, top_p, repetition_penalty, seed: sampling
+                (``runtime.sampling.Sampler``; temperature 0 = greedy).
+            stop: strings that end a row (the text is cut before them).
+            chat: render string prompts with the folder's chat template first.
+
+        Returns:
+            :class:`GenerationResult`.
+
+        Raises:
+            GenerationError: empty prompt, prompt (+ ``max_new_tokens`` under the
+                ``"error"`` policy) longer than ``max_length``, bad sampling arguments.
+        """
+        res = None
+        for res, _ in self._iter(prompt, max_new_tokens, temperature, top_k, top_p,
+                                 repetition_penalty, stop, seed, chat):
+            pass
+        return res
+
+    def stream(self, prompt: Union[str, Sequence[int]], max_new_tokens: int = 128,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               repetition_penalty: float = 1.0, stop: Optional[list] = None,
+               seed: Optional[int] = None, chat: bool = False) -> Iterator[str]:
+        """Yield text pieces as they are generated (one prompt). Same tokens as
+        :meth:`generate` for the same arguments and seed."""
+        if not isinstance(prompt, str) and len(prompt) and not isinstance(prompt[0], (int, np.integer)):
+            raise GenerationError("stream() takes one prompt", "use generate() for a batch")
+        dec = self.tokenizer.incremental_decoder()
+        emitted, n = "", 0
+        hold = max((len(s) for s in (stop or []) if s), default=1) - 1
+        for res, final in self._iter(prompt, max_new_tokens, temperature, top_k, top_p,
+                                     repetition_penalty, stop, seed, chat, streaming=True):
+            ids = res.token_ids[0]
+            for t in ids[n:]:
+                dec.push(t)
+            n = len(ids)
+            if final:
+                dec.flush()
+            text = dec.text
+            if stop:
+                cut = min((text.find(s) for s in stop if s and s in text), default=-1)
+                if cut >= 0:
+                    text = text[:cut]
+                elif not final and hold:
+                    text = text[:max(len(emitted), len(text) - hold)]
+            if len(text) > len(emitted) and text.startswith(emitted):
+                yield text[len(emitted):]
+                emitted = text
+
+    def _check_room(self, lens: list[int], max_new_tokens: int) -> None:
+        need = max(lens) + max_new_tokens
+        if need > self.max_length and self.context_policy == "error":
+            raise GenerationError(
+                f"prompt ({max(lens)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"context max_length={self.max_length}",
+                "lower max_new_tokens, shorten the prompt, load with a larger max_length, or "
+                "use context_policy='sliding_window'")
+
+    def _iter(self, prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty,
+              stop, seed, chat, streaming=False):
+        if self._closed:
+            raise GenerationError("the session is closed", "load the folder again")
+        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be a positive integer, got "
+                                  f"{max_new_tokens!r}", "pass e.g. max_new_tokens=128")
+        sampler = Sampler(temperature, top_k, top_p, repetition_penalty, seed)
+        prompts, batched = self._encode(prompt, chat)
+        lens = [len(p) for p in prompts]
+        self._check_room(lens, int(max_new_tokens))
+        stop = [s for s in (stop or []) if s]
+        with self._lock:
+            yield from self._loop(prompts, int(max_new_tokens), sampler, stop, streaming)
+
+    def _loop(self, prompts, max_new, sampler, stop, streaming):
+        B = len(prompts)
+        eos = set(self.eos_token_ids)
+        gen: list[list[int]] = [[] for _ in range(B)]
+        seen = [list(p) for p in prompts]                       # for repetition penalty
+        done = [False] * B
+        reasons = ["length"] * B
+        texts = [""] * B
+        step_ms: list[float] = []
+        t0 = time.perf_counter()
+        state = self._prefill(prompts)
+        logits = state["logits"]
+        t_prefill = time.perf_counter() - t0
+        ttft = None
+        t_dec0 = None
+        for step in range(max_new):
+            ts = time.perf_counter()
+            nxt = sampler(logits, seen if sampler.repetition_penalty != 1.0 else None)
+            for b in range(B):
+                if done[b]:
+                    continue
+                t = int(nxt[b])
+                if t in eos:
+                    done[b], reasons[b] = True, "eos"
+                    continue
+                gen[b].append(t)
+                seen[b].append(t)
+                if stop:
+                    texts[b] = self.tokenizer.decode(gen[b])
+                    if stop:
+                        cut = min((texts[b].find(s) for s in stop if s in texts[b]), default=-1)
+                        if cut >= 0:
+                            texts[b] = texts[b][:cut]
+                            done[b], reasons[b] = True, "stop"
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+                t_dec0 = time.perf_counter()
+            if streaming:
+                yield self._result(prompts, gen, texts, ttft, t_prefill, t_dec0, step_ms,
+                                   reasons), False
+            if all(done) or step == max_new - 1:
+                break
+            feed = np.array([gen[b][-1] if gen[b] else self.pad_token_id for b in range(B)],
+                            np.int64)
+            logits = self._decode_step(state, feed)
+            step_ms.append((time.perf_counter() - ts) * 1e3)
+        if not stop:
+            texts = [self.tokenizer.decode(g) for g in gen]
+        yield self._result(prompts, gen, texts, ttft, t_prefill, t_dec0, step_ms,
+                           reasons), True
+
+    def _result(self, prompts, gen, texts, ttft, t_prefill, t_dec0, step_ms, reasons):
+        dec_s = time.perf_counter() - t_dec0 if t_dec0 else 0.0
+        n_dec = max(len(g) for g in gen) - 1 if gen else 0
+        return GenerationResult(
+            texts=list(texts), token_ids=[list(g) for g in gen],
+            prompt_tokens=[len(p) for p in prompts], ttft_ms=(ttft or 0.0) * 1e3,
+            prefill_tok_s=sum(len(p) for p in prompts) / max(t_prefill, 1e-9),
+            decode_tok_s=(n_dec / dec_s) if (dec_s > 0 and n_dec > 0) else 0.0,
+            step_ms=list(step_ms), finish_reasons=list(reasons))
+
+    # ----------------------------------------------------- fused prefill/decode
+    def _cache(self, B: int) -> SharedKVCache:
+        c = self._caches.get(B)
+        if c is None:
+            self._caches.clear()   # keep at most one batch size resident
+            c = self._caches[B] = SharedKVCache(self.kv, B, self.max_length, self.device)
+        return c
+
+    def _prefill(self, prompts) -> dict:
+        B = len(prompts)
+        lens = np.array([len(p) for p in prompts], np.int64)
+        S = int(lens.max())
+        if not self.fused:
+            ids = np.full((B, S), self.pad_token_id, np.int64)
+            mask = np.zeros((B, S), np.int64)
+            for b, p in enumerate(prompts):
+                ids[b, S - len(p):] = p
+                mask[b, S - len(p):] = 1
+            pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
+            cache = ConcatKVCache(self.kv, B, self.device)
+            logits = self._run_plain(ids, mask, pos, 1, cache)[:, -1]
+            return {"logits": logits, "cache": cache, "mask": mask, "pos": pos[:, -1:].copy(),
+                    "lens": lens.copy(), "tokens": [list(p) for p in prompts]}
+        cache = self._cache(B)
+        ids = np.full((B, S), self.pad_token_id, np.int64)
+        for b, p in enumerate(prompts):
+            ids[b, :len(p)] = p
+        keep = int(S - lens.min() + 1)
+        out = self._run_fused(ids, (lens - 1).astype(np.int32), S, keep, cache)
+        idx = (lens - 1) - (S - keep)
+        logits = out[np.arange(B), idx]
+        # Decode-step state: preallocated inputs read in place by onnxruntime.
+        st = {"cache": cache, "lens": lens.copy(), "tokens": [list(p) for p in prompts]}
+        st["ids"] = np.zeros((B, 1), np.int64)
+        st["seqlens"] = np.zeros((B,), np.int32)
+        st["total"] = np.zeros((), np.int32)
+        st["keep"] = np.ones((), np.int64)
+        st["logits_buf"] = np.zeros((B, 1, self.vocab_size), np.float32)
+        bd = self.sess.io_binding()
+        if self.device == "cpu":
+            for name, arr in (("input_ids", st["ids"]), ("seqlens_k", st["seqlens"]),
+                              ("total_sequence_length", st["total"]),
+                              ("num_logits_to_keep", st["keep"])):
+                bd.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
+            bd.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(st["logits_buf"]))
+        else:
+            bd.bind_output("logits", "cpu")
+        cache.bind(bd)
+        st["binding"] = bd
+        st["logits"] = logits
+        return st
+
+    def _overflow(self, st, feed) -> Optional[np.ndarray]:
+        """Sliding-window policy: re-prefill the last max_length//2 tokens of each row."""
+        keep_n = max(1, self.max_length // 2)
+        rows = [(t + [int(f)])[-keep_n:] for t, f in zip(st["tokens"], feed)]
+        new = self._prefill(rows)
+        st.clear()
+        st.update(new)
+        return new["logits"]
+
+    def _decode_step(self, st, feed: np.ndarray) -> np.ndarray:
+        lens = st["lens"]
+        if int(lens.max()) + 1 > self.max_length:
+            if self.context_policy != "sliding_window":
+                raise GenerationError(f"the context is full (max_length={self.max_length})",
+                                      "use context_policy='sliding_window' or a larger max_length")
+            return self._overflow(st, feed)
+        for b, f in enumerate(feed):
+            st["tokens"][b].append(int(f))
+        if not self.fused:
+            mask = np.concatenate([st["mask"], np.ones((len(feed), 1), np.int64)], 1)
+            st["mask"] = mask
+            st["pos"] = st["pos"] + 1
+            lens += 1
+            return self._run_plain(feed[:, None], mask, st["pos"], 1, st["cache"])[:, -1]
+        st["ids"][:, 0] = feed
+        st["seqlens"][:] = lens            # new total per row minus one
+        lens += 1
+        st["total"][()] = int(lens.max())
+        bd = st["binding"]
+        if self.device != "cpu":
+            bd.bind_cpu_input("input_ids", st["ids"])
+            bd.bind_cpu_input("seqlens_k", st["seqlens"])
+            bd.bind_cpu_input("total_sequence_length", st["total"])
+            bd.bind_cpu_input("num_logits_to_keep", st["keep"])
+            self.sess.run_with_iobinding(bd)
+            return bd.get_outputs()[self.output_names.index("logits")].numpy()[:, -1]
+        self.sess.run_with_iobinding(bd)
+        return st["logits_buf"][:, 0]
+
+    # ---------------------------------------------------------------- close
+    def close(self) -> None:
+        """Release the onnxruntime session and the KV buffers."""
+        self._caches.clear()
+        self.sess = None
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def load(folder, device: str = "cpu", threads: Optional[int] = None,
+         max_length: Optional[int] = None, context_policy: str = "error") -> Session:
+    """Load an export folder: ``runtime.load(folder, device="cpu", threads=2)``.
+
+    See :class:`Session` for the arguments and raised errors.
+    """
+    return Session(folder, device=device, threads=threads, max_length=max_length,
+                   context_policy=context_policy)
+
+
+__all__ = ["load", "Session", "GenerationResult"]
