@@ -1,0 +1,331 @@
+"""AWQ: Activation-aware Weight Quantization for LLM Compression and Acceleration
+(Lin, Tang, Tang, Yang, Chen, Wang, Xiao, Dang, Gan & Han, MLSys 2024).
+
+AWQ protects the weights that meet large activations by scaling input channels before
+rounding. For a group of linears that read the same input ``x`` (produced by a
+preceding op ``P``), with per-input-channel scales ``s``::
+
+    W x = (W diag(s)) (diag(s)^-1 x)      # exact: s^-1 is folded into P
+
+and ``W diag(s)`` is quantized (Sec. 3.2, Eq. 4-5). Steps, per decoder block
+(:meth:`AWQ.compress_block`):
+
+1. **Scale search** (Eq. 5): ``s = mean|x|^a`` (or, with ``duo_scaling`` as in AutoAWQ
+   and llm-compressor, ``s = mean|x|^a / mean|w_hat|^(1-a)`` with ``w_hat`` the
+   group-normalized weight magnitude), normalized by ``sqrt(max(s) min(s))``, for ``a`` on a
+   grid of ``n_grid`` points ``0, 1/n, ..., (n-1)/n`` in ``[0, 1)``; plus ``s = 1`` (plain
+   RTN), so the search never does worse than RTN on its loss. The loss is the
+   calibration output error of the group's linears,
+   ``sum_l ||W_l X - Q(W_l diag(s)) diag(s)^-1 X||^2 = sum_l tr(dW_l H dW_l^T)``, computed
+   from the Hessian ``H = X^T X / n`` (all calibration tokens, no subsampling; AutoAWQ
+   measures the output of the parent module instead, e.g. the whole attention).
+   NaN/inf scales are replaced by 1 and the layer reported.
+2. **Folding** (exact before rounding; tested): ``input_layernorm.weight /= s`` for
+   q/k/v; ``post_attention_layernorm.weight /= s`` for gate/up; ``v_proj`` rows ``/= s``
+   for ``o_proj``; ``up_proj`` rows ``/= s`` for ``down_proj``. With grouped-query
+   attention, o_proj input channel ``h*d_head + d`` (query head ``h``) reads v_proj output
+   channel ``(h // n_rep)*d_head + d``, so the fold is exact only when all query heads of a
+   kv group share the scale: the scale is searched per v_proj output channel (statistics
+   averaged over the group's query heads) and repeated for o_proj. A prev linear that is
+   not a target of this stage (so might already be quantized) is never rescaled: that
+   group is quantized without scales, and reported.
+3. **Clipping search** (AutoAWQ ``auto_clip``): per output row and group, the range
+   shrink ``c in {1, 1-1/n_grid, ..., 1-max_shrink}`` minimizing the group's output error
+   ``dw H_gg dw^T``; q_proj/k_proj are not clipped (as in AutoAWQ).
+4. **Quantization**: round-to-nearest on the scaled, clipped weights, unless a later
+   recipe stage quantizes the layer (AWQ then GPTQ): then only steps 1-3 apply.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..quantize import check_quant_args, qparams, rtn_quantize
+from .base import InputStats, LayerResult, LayerTask, Method, relative_error
+
+_NO_CLIP = ("q_proj", "k_proj")
+
+
+def awq_scales(x_mean: torch.Tensor, w_mean: Optional[torch.Tensor], ratio: float,
+               duo_scaling: bool = True) -> tuple[torch.Tensor, int]:
+    """One AWQ scale candidate ``[in]`` for exponent ``ratio``; NaN/inf entries -> 1.
+
+    Args:
+        x_mean: ``[in]`` mean ``|x|`` per input channel.
+        w_mean: ``[in]`` mean group-normalized ``|W|`` per input channel (duo scaling).
+        ratio: the exponent ``alpha`` in ``[0, 1]``.
+
+    Returns:
+        ``(s, n_bad)``: scales normalized by ``sqrt(max*min)``, and how many were not
+        finite (replaced by 1).
+    """
+    x = x_mean.float()
+    if duo_scaling and w_mean is not None:
+        s = x.pow(ratio) / (w_mean.float().pow(1 - ratio) + 1e-4)
+    else:
+        s = x.pow(ratio)
+    s = s.clamp(min=1e-4)
+    fin = torch.isfinite(s)
+    if fin.any():
+        s = s / (s[fin].max() * s[fin].min()).sqrt()
+    bad = ~torch.isfinite(s) | ~(s > 0)
+    n_bad = int(bad.sum())
+    if n_bad:
+        s = torch.where(bad, torch.ones_like(s), s)
+    return s, n_bad
+
+
+def _fake_quant_groups(W: torch.Tensor, bits: int, gs: int, sym: bool,
+                       clip: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """Vectorized RTN fake-quantization of ``W [out, in]`` in groups of ``gs`` columns."""
+    out, inp = W.shape
+    G = inp // gs
+    Wg = W.reshape(out * G, gs)
+    c = clip.reshape(out * G, 1) if isinstance(clip, torch.Tensor) else clip
+    s, z = qparams(Wg, bits, sym, c)
+    maxq = 2 ** bits - 1
+    q = (torch.clamp(torch.round(Wg / s) + z, 0, maxq) - z) * s
+    return q.reshape(out, inp)
+
+
+def _w_mean(W: torch.Tensor, gs: int) -> torch.Tensor:
+    out, inp = W.shape
+    Wg = W.abs().reshape(out, inp // gs, gs)
+    Wg = Wg / (Wg.amax(dim=-1, keepdim=True) + 1e-6)
+    return Wg.reshape(out, inp).mean(0)
+
+
+def search_scale(W: torch.Tensor, H: torch.Tensor, x_mean: torch.Tensor, *, bits: int, group_size: int,
+                 sym: bool, n_grid: int = 20, duo_scaling: bool = True,
+                 tie: Optional[tuple[int, int, int]] = None) -> tuple[torch.Tensor, dict]:
+    """AWQ grid search of per-input-channel scales for stacked weights ``W [out, in]``.
+
+    Args:
+        W: rows of every linear reading the input; H: ``[in, in]`` ``X^T X / n``;
+        x_mean: ``[in]`` mean ``|x|``.
+        tie: ``(n_kv, n_rep, head_dim)`` for v_proj -> o_proj under GQA: scales are tied
+            across the ``n_rep`` query heads of a kv group (see module docstring).
+
+    Returns:
+        ``(s [in], info)`` with ``info = {"ratio": best alpha or None for s=1, "loss": ...,
+        "loss_rtn": ..., "n_bad": non-finite scales replaced}``.
+    """
+    out, inp = W.shape
+    gs = inp if group_size == -1 else group_size
+    W = W.float()
+    wm = _w_mean(W, gs) if duo_scaling else None
+    xm = x_mean.float()
+
+    def tied(v):
+        if tie is None or v is None:
+            return v
+        n_kv, n_rep, hd = tie
+        return v.reshape(n_kv, n_rep, hd).mean(1).reshape(-1)
+
+    def untie(v):
+        if tie is None:
+            return v
+        n_kv, n_rep, hd = tie
+        return v.reshape(n_kv, 1, hd).expand(n_kv, n_rep, hd).reshape(-1)
+
+    xm_t, wm_t = tied(xm), tied(wm)
+
+    def loss_of(s):
+        q = _fake_quant_groups(W * s[None, :], bits, gs, sym) / s[None, :]
+        d = W - q
+        return float(((d @ H) * d).sum())
+
+    ones = torch.ones(inp)
+    best_s, best_loss, best_ratio = ones, loss_of(ones), None
+    loss_rtn = best_loss
+    n_bad_total = 0
+    for i in range(n_grid):
+        ratio = i / n_grid
+        s_t, n_bad = awq_scales(xm_t, wm_t, ratio, duo_scaling)
+        n_bad_total = max(n_bad_total, n_bad)
+        s = untie(s_t)
+        loss = loss_of(s)
+        if loss < best_loss:
+            best_s, best_loss, best_ratio = s, loss, ratio
+    return best_s, {"ratio": best_ratio, "loss": best_loss, "loss_rtn": loss_rtn, "n_bad": n_bad_total}
+
+
+def search_clip(W: torch.Tensor, H: torch.Tensor, *, bits: int, group_size: int, sym: bool,
+                n_grid: int = 20, max_shrink: float = 0.5) -> torch.Tensor:
+    """Per (row, group) clip ratio ``[out, n_groups]`` minimizing ``dw H_gg dw^T`` (AWQ auto-clip)."""
+    out, inp = W.shape
+    gs = inp if group_size == -1 else group_size
+    G = inp // gs
+    W = W.float()
+    Hb = torch.stack([H[g * gs:(g + 1) * gs, g * gs:(g + 1) * gs] for g in range(G)])  # [G, gs, gs]
+    best = torch.ones(out, G)
+    best_err = torch.full((out, G), float("inf"))
+    for i in range(max(1, int(max_shrink * n_grid))):
+        c = 1.0 - i / n_grid
+        d = (W - _fake_quant_groups(W, bits, gs, sym, c)).reshape(out, G, gs)
+        err = torch.einsum("rgi,gij,rgj->rg", d, Hb, d)
+        better = err < best_err
+        best = torch.where(better, torch.full_like(best, c), best)
+        best_err = torch.where(better, err, best_err)
+    return best
+
+
+def _clamp_to_clip(W: torch.Tensor, clip: torch.Tensor, gs: int, sym: bool) -> torch.Tensor:
+    """Clamp each group to its clipped range (what the quantizer sees with ``clip``)."""
+    out, inp = W.shape
+    Wg = W.reshape(out, inp // gs, gs)
+    c = clip.unsqueeze(-1)
+    if sym:
+        m = Wg.abs().amax(-1, keepdim=True) * c
+        return torch.maximum(torch.minimum(Wg, m), -m).reshape(out, inp)
+    lo = Wg.amin(-1, keepdim=True).clamp(max=0) * c
+    hi = Wg.amax(-1, keepdim=True).clamp(min=0) * c
+    return torch.maximum(torch.minimum(Wg, hi), lo).reshape(out, inp)
+
+
+class AWQ(Method):
+    """AWQ (:class:`~edgeprune.recipe.AWQConfig`); see the module docstring for the maths."""
+
+    name = "awq"
+    kind = "quant"
+    needs_hessian = True
+
+    def compress_block(self, block: nn.Module, tasks: list[LayerTask]) -> dict[str, LayerResult]:
+        c = self.config
+        by_suffix = {}
+        for t in tasks:
+            parts = t.name.split(".")
+            by_suffix[".".join(parts[-2:])] = t
+        W = {t.name: t.weight.clone() for t in tasks}      # current (folded) weights
+        ref = {t.name: t.weight.clone() for t in tasks}    # uncompressed, same coordinates
+        stats = {t.name: t.stats for t in tasks}
+        notes: dict[str, list] = {t.name: [] for t in tasks}
+        norm_folds = []  # (norm module, s) applied at the end, after everything succeeded
+        attn = getattr(block, "self_attn", None)
+
+        def get(mod_path):
+            try:
+                return block.get_submodule(mod_path)
+            except AttributeError:
+                return None
+
+        groups = [
+            ("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], None),
+            ("self_attn.v_proj", ["self_attn.o_proj"], "gqa"),
+            ("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], None),
+            ("mlp.up_proj", ["mlp.down_proj"], None),
+        ]
+        done = set()
+        for prev_path, layer_paths, kind in groups:
+            members = [by_suffix[p] for p in layer_paths if p in by_suffix]
+            if not members:
+                continue
+            prev = get(prev_path)
+            prev_task = by_suffix.get(prev_path)
+            reason = None
+            tie = None
+            if prev is None:
+                reason = f"no {prev_path} to fold scales into"
+            elif isinstance(prev, nn.Linear) and prev_task is None:
+                reason = f"{prev_path} is not a target of this stage (cannot rescale it)"
+            elif not isinstance(prev, nn.Linear) and not self._norm_foldable(prev):
+                reason = f"{prev_path} ({type(prev).__name__}) cannot absorb a scale exactly"
+            elif not isinstance(prev, nn.Linear) and any(
+                    m.stats is not members[0].stats for m in members):
+                reason = "the group's linears do not share one input"
+            if kind == "gqa" and reason is None:
+                hd = getattr(attn, "head_dim", None)
+                o = members[0].module
+                if hd is None or prev.out_features % hd or o.in_features % prev.out_features:
+                    reason = "head layout of v_proj/o_proj not understood"
+                else:
+                    n_kv = prev.out_features // hd
+                    tie = (n_kv, o.in_features // prev.out_features, hd)
+            if reason is not None:
+                for m in members:
+                    notes[m.name].append(f"{m.name}: AWQ scaling skipped ({reason}) -> clip + RTN only")
+                continue
+            st = members[0].stats
+            if st.n_tokens == 0:
+                for m in members:
+                    notes[m.name].append(f"{m.name}: no usable calibration activations -> AWQ scale 1 (RTN)")
+                continue
+            Wcat = torch.cat([W[m.name] for m in members], 0)
+            gs = check_quant_args(c.bits, c.group_size, Wcat.shape[1], name=members[0].name)
+            s, info = search_scale(Wcat, st.hessian, st.abs_mean, bits=c.bits, group_size=gs, sym=c.sym,
+                                   n_grid=c.n_grid, duo_scaling=c.duo_scaling, tie=tie)
+            if info["n_bad"]:
+                for m in members:
+                    notes[m.name].append(f"{m.name}: {info['n_bad']} NaN/inf AWQ scales replaced by 1")
+            # fold: members' columns *= s, prev's output /= s
+            new_stats = st.scaled(s)
+            for m in members:
+                W[m.name] = W[m.name] * s[None, :]
+                ref[m.name] = ref[m.name] * s[None, :]
+                stats[m.name] = new_stats
+                done.add(m.name)
+            s_prev = s
+            if tie is not None:
+                n_kv, n_rep, hd = tie
+                s_prev = s.reshape(n_kv, n_rep, hd)[:, 0, :].reshape(-1)
+            if isinstance(prev, nn.Linear):
+                W[prev_task.name] = W[prev_task.name] / s_prev[:, None]
+                ref[prev_task.name] = ref[prev_task.name] / s_prev[:, None]
+                if prev.bias is not None:
+                    norm_folds.append(("bias", prev, s_prev))
+            else:
+                norm_folds.append(("norm", prev, s_prev))
+
+        results: dict[str, LayerResult] = {}
+        for t in tasks:
+            Wt = W[t.name]
+            H = stats[t.name].hessian if stats[t.name].n_tokens else None
+            gs = check_quant_args(c.bits, c.group_size, Wt.shape[1], name=t.name)
+            clip = torch.ones(Wt.shape[0], Wt.shape[1] // gs)
+            if c.clip_search and H is not None and not t.name.endswith(_NO_CLIP):
+                clip = search_clip(Wt, H, bits=c.bits, group_size=gs, sym=c.sym, n_grid=c.n_grid,
+                                   max_shrink=c.max_shrink)
+            q = None
+            if t.quantize:
+                q = rtn_quantize(Wt, c.bits, gs, c.sym, clip=clip, name=t.name)
+                q.meta.update(method="awq", clip_mean=float(clip.mean()))
+                Wn = q.dequantize()
+            else:
+                Wn = _clamp_to_clip(Wt, clip, gs, c.sym) if c.clip_search else Wt.clone()
+            if t.mask is not None:
+                Wn = Wn * t.mask
+            err = relative_error(ref[t.name], Wn, H) if H is not None else None
+            results[t.name] = LayerResult(weight=Wn, quantized=q, notes=notes[t.name], reference=ref[t.name],
+                                          stats=stats[t.name], error=err)
+        for what, mod, s in norm_folds:  # everything computed: now touch the preceding ops
+            if what == "norm":
+                mod.weight.data.div_(s.to(mod.weight.device, mod.weight.dtype))
+                if getattr(mod, "bias", None) is not None:
+                    mod.bias.data.div_(s.to(mod.bias.device, mod.bias.dtype))
+            else:
+                mod.bias.data.div_(s.to(mod.bias.device, mod.bias.dtype))
+        return results
+
+    @staticmethod
+    def _norm_foldable(norm: nn.Module) -> bool:
+        """True when ``norm(x) / s == norm_with_weight/s(x)`` (scale-by-weight norms)."""
+        w = getattr(norm, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 1:
+            return False
+        with torch.no_grad():
+            x = torch.randn(3, w.shape[0], dtype=w.dtype, device=w.device)
+            s = torch.rand(w.shape[0], dtype=w.dtype, device=w.device) + 0.5
+            y0 = norm(x)
+            old = w.data.clone()
+            w.data.div_(s)
+            try:
+                y1 = norm(x)
+            finally:
+                w.data.copy_(old)
+            b = getattr(norm, "bias", None)
+            if isinstance(b, torch.Tensor):
+                return False  # LayerNorm bias would need dividing too; keep it simple and exact
+            return bool(torch.allclose(y1 * s, y0, rtol=1e-4, atol=1e-5))

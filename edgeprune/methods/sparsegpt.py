@@ -1,0 +1,206 @@
+"""SparseGPT: Massive Language Models Can Be Accurately Pruned in One-Shot
+(Frantar & Alistarh, ICML 2023).
+
+SparseGPT prunes a layer's weight ``W [out, in]`` column by column, and after each
+column compensates the removed (and, with joint quantization, rounded) weights by an
+Optimal Brain Surgeon update of the remaining columns, using the upper Cholesky factor
+``U`` of the damped inverse Hessian ``(X^T X + damp I)^-1`` (Algorithm 1 of the paper),
+as implemented by :func:`sparsegpt_prune`:
+
+* Columns are processed in blocks of ``blocksize`` (128). Unstructured: at the start of
+  each block the mask is chosen *adaptively* from the error-updated weights with the OBS
+  saliency ``w_ij^2 / [H^-1]_jj^2`` (``= (w / U_jj)^2``), removing the lowest-saliency
+  fraction ``sparsity`` of the block (exact count per block and per layer).
+  N:M: at every ``prune_m``-th column, the ``prune_m - prune_n`` lowest-saliency weights of
+  the next ``prune_m`` columns of each row are removed.
+* For each column ``j``: ``q_j = w_j`` with pruned entries set to 0 (and rounded to the
+  quantization grid when ``bits`` is set, joint sparsification + quantization, Sec. 3.5);
+  ``e_j = (w_j - q_j) / U_jj``; ``W[:, j:] -= e_j U[j, j:]``; lazy update of the columns
+  after the block with the block's errors.
+* ``damp = percdamp * mean(diag(H))``; dead input channels get ``H_jj = 1``.
+
+Fallback: when ``H + damp I`` stays singular after 4 tries (damping x10 each), the layer
+is pruned by magnitude (and RTN-quantized when ``bits`` is set); the fallback is reported.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..quantize import QuantizedWeight, check_quant_args, qparams, rtn_quantize
+from .base import (LayerResult, LayerTask, Method, damped_cholesky_inverse, fix_dead_channels,
+                   pattern_name)
+from .gptq import split_rows
+from .magnitude import magnitude_prune
+
+
+def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, *, sparsity: float = 0.5, prune_n: int = 0,
+                    prune_m: int = 0, blocksize: int = 128, percdamp: float = 0.01,
+                    bits: Optional[int] = None, group_size: int = 64, sym: bool = False,
+                    mask: Optional[torch.Tensor] = None, row_splits: Optional[list[int]] = None,
+                    tries: int = 4, name: str = "layer"
+                    ) -> Optional[tuple[torch.Tensor, torch.Tensor, Optional[QuantizedWeight], dict]]:
+    """Prune (and optionally quantize) ``W`` with SparseGPT.
+
+    Args:
+        W: ``[out, in]`` weight; H: ``[in, in]`` ``X^T X / n``.
+        sparsity: fraction removed (unstructured); ignored when ``prune_n`` is set.
+        prune_n, prune_m: keep at most ``prune_n`` of every ``prune_m`` consecutive inputs.
+        blocksize: columns per mask-selection / lazy-update block.
+        percdamp: damping as a fraction of ``mean(diag(H))``.
+        bits, group_size, sym: joint quantization grid (``bits=None``: no quantization).
+        mask: earlier keep-mask; those weights stay pruned.
+        row_splits: row counts of layers stacked in ``W`` (q/k/v sharing ``H``); the
+            unstructured count is taken per layer so the result equals one call per layer.
+
+    Returns:
+        ``(W_new [out, in] float32, keep bool [out, in], qweight or None, info)``, or
+        ``None`` when the Hessian stayed singular (the caller falls back to magnitude).
+    """
+    out, cols = W.shape
+    W = W.detach().float().clone()
+    prev_keep = None if mask is None else mask.to(torch.bool)
+    if prev_keep is not None:
+        W = W * prev_keep
+    H = fix_dead_channels(H.detach().float())
+    U, damp, attempts = damped_cholesky_inverse(H, percdamp, tries=tries)
+    info = {"damp": damp, "attempts": attempts}
+    if U is None:
+        return None
+    splits = row_splits or [out]
+    bounds = [(sum(splits[:k]), sum(splits[:k + 1])) for k in range(len(splits))]
+    quant = bits is not None
+    if quant:
+        gs = check_quant_args(bits, group_size, cols, name=name)
+        maxq = 2 ** bits - 1
+        n_groups = cols // gs
+        codes = torch.zeros(out, cols)
+        scales = torch.zeros(out, n_groups)
+        zeros = torch.zeros(out, n_groups)
+    pruned = torch.zeros(out, cols, dtype=torch.bool)
+    diagU = torch.diagonal(U)
+
+    for i1 in range(0, cols, blocksize):
+        i2 = min(i1 + blocksize, cols)
+        count = i2 - i1
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros(out, count)
+        U1 = U[i1:i2, i1:i2]
+        d1 = diagU[i1:i2]
+        P1 = pruned[:, i1:i2]
+        if not prune_n:
+            sal = (W1 / d1[None, :]) ** 2
+            if prev_keep is not None:
+                sal = torch.where(prev_keep[:, i1:i2], sal, torch.full_like(sal, -1.0))
+            for r0, r1 in bounds:
+                seg = sal[r0:r1]
+                k = int(round(seg.numel() * sparsity))
+                if prev_keep is not None:
+                    k = max(k, int((~prev_keep[r0:r1, i1:i2]).sum()))
+                if k:
+                    idx = torch.argsort(seg.flatten(), stable=True)[:k]
+                    flat = torch.zeros(seg.numel(), dtype=torch.bool)
+                    flat[idx] = True
+                    P1[r0:r1] = flat.reshape(seg.shape)
+        for i in range(count):
+            col = i1 + i
+            if prune_n and i % prune_m == 0:
+                sal = (W1[:, i:i + prune_m] / d1[None, i:i + prune_m]) ** 2
+                if prev_keep is not None:
+                    sal = torch.where(prev_keep[:, col:col + prune_m], sal, torch.full_like(sal, -1.0))
+                idx = torch.topk(sal, prune_m - prune_n, dim=1, largest=False).indices
+                P1[:, i:i + prune_m].scatter_(1, idx, True)
+            w = W1[:, i]
+            q = torch.where(P1[:, i], torch.zeros_like(w), w)
+            if quant:
+                if col % gs == 0:
+                    g = col // gs
+                    seg = W1[:, i:i + gs] if i + gs <= count else torch.cat([W1[:, i:], W[:, i2:col + gs]], 1)
+                    known = P1[:, i:i + gs] if i + gs <= count else torch.cat(
+                        [P1[:, i:], torch.zeros(out, col + gs - i2, dtype=torch.bool)], 1)
+                    s2, z2 = qparams(torch.where(known, torch.zeros_like(seg), seg), bits, sym)
+                    s, z = s2[:, 0], z2[:, 0]
+                    scales[:, g], zeros[:, g] = s, z
+                c = torch.clamp(torch.round(q / s) + z, 0, maxq)
+                c = torch.where(P1[:, i], z, c)
+                codes[:, col] = c
+                q = (c - z) * s
+            err = (w - q) / U1[i, i]
+            W1[:, i:].addr_(err, U1[i, i:], alpha=-1.0)
+            W1[:, i] = q
+            Err1[:, i] = err
+        W[:, i1:i2] = W1
+        if i2 < cols:
+            W[:, i2:].addmm_(Err1, U[i1:i2, i2:], alpha=-1.0)
+
+    keep = ~pruned
+    W = W * keep
+    qw = None
+    if quant:
+        qw = QuantizedWeight(codes=codes.to(torch.uint8), scales=scales, zeros=zeros.to(torch.uint8),
+                             bits=bits, group_size=gs, sym=sym, meta={"method": "sparsegpt", "damp": damp})
+        W = qw.dequantize() * keep
+    return W, keep, qw, info
+
+
+class SparseGPT(Method):
+    """SparseGPT pruning, optionally with joint quantization (:class:`~edgeprune.recipe.SparseGPTConfig`).
+
+    Layers sharing one input (q/k/v, gate/up) are stacked and processed in one pass with
+    per-layer mask counts (identical to one pass per layer).
+    """
+
+    name = "sparsegpt"
+    kind = "prune"
+    needs_hessian = True
+
+    def compress_group(self, tasks: list[LayerTask]) -> list[LayerResult]:
+        c = self.config
+        stats = tasks[0].stats
+        names = ", ".join(t.name for t in tasks)
+        sizes = [t.weight.shape[0] for t in tasks]
+        W = torch.cat([t.weight for t in tasks], 0)
+        mask = None
+        if any(t.mask is not None for t in tasks):
+            mask = torch.cat([t.mask if t.mask is not None else torch.ones_like(t.weight, dtype=torch.bool)
+                              for t in tasks], 0)
+        pat = pattern_name(c)
+        res = None
+        notes = []
+        if stats.n_tokens == 0 or not bool((torch.diagonal(stats.h_sum) > 0).any()):
+            notes.append(f"{names}: no usable calibration activations -> magnitude"
+                         + (" + RTN" if c.bits else ""))
+        else:
+            res = sparsegpt_prune(W, stats.hessian, sparsity=c.sparsity, prune_n=c.prune_n,
+                                  prune_m=c.prune_m, blocksize=c.blocksize, percdamp=c.percdamp,
+                                  bits=c.bits, group_size=c.group_size, sym=c.sym, mask=mask,
+                                  row_splits=sizes, name=tasks[0].name)
+            if res is None:
+                notes.append(f"{names}: Hessian singular -> damp x10 (4 tries) -> magnitude"
+                             + (" + RTN" if c.bits else ""))
+            elif res[3]["attempts"] > 1:
+                notes.append(f"{names}: Hessian not positive definite -> damp x{10 ** (res[3]['attempts'] - 1)}")
+        out = []
+        if res is None:
+            for t in tasks:
+                keep = magnitude_prune(t.weight, c.sparsity, c.prune_n, c.prune_m, t.mask)
+                w = t.weight * keep
+                q = None
+                if c.bits:
+                    q = rtn_quantize(w, c.bits, c.group_size, c.sym, name=t.name)
+                    q.meta.update(method="sparsegpt", fallback="rtn")
+                    w = q.dequantize() * keep
+                out.append(LayerResult(weight=w, mask=keep, pattern=pat, quantized=q))
+            out[0].notes = notes
+            return out
+        Wn, keep, qw, _ = res
+        qs = split_rows(qw, sizes) if qw is not None else [None] * len(tasks)
+        r0 = 0
+        for t, n, q in zip(tasks, sizes, qs):
+            out.append(LayerResult(weight=Wn[r0:r0 + n].clone(), mask=keep[r0:r0 + n].clone(), pattern=pat,
+                                   quantized=q))
+            r0 += n
+        out[0].notes = notes
+        return out
