@@ -150,8 +150,9 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
     check_disk(out_dir.parent, weight_bytes)
     external = external_data or weight_bytes > EXTERNAL_DATA_THRESHOLD
 
-    ints = {k: v for k, v in builder.quant_summary.items() if v.startswith("int")}
-    bits = sorted({int(v[3]) for v in ints.values()})
+    ints = {k: v for k, v in builder.quant_summary.items()
+            if v.startswith("int") and k != "lm_head"}
+    bits = sorted({int(v.split()[0][3:]) for v in ints.values()})
     metadata = {
         "format_version": FORMAT_VERSION,
         "architecture": spec.architecture,

@@ -550,7 +550,7 @@ class DecoderBuilder:
             logits = g.reshape(logits, shp)
             self.quant_summary["lm_head"] = self.opts.precision if self.opts.precision != "int4" else "fp32"
         else:
-            logits = self.linear(h, ["lm_head"], "lm_head")
+            logits = self._float_matmul(h, self.param("lm_head.weight"), "lm_head", ["lm_head"])
         if self.fdtype != np.float32:
             logits = g.cast(logits, TensorProto.FLOAT)
         g.nodes[-1].output[0] = "logits"

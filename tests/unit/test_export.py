@@ -1,0 +1,287 @@
+"""Exporter unit tests on tiny random llama / qwen2 models (GQA: 4 q heads, 2 kv heads)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from collections import namedtuple
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+import exporters
+import runtime
+from exporters.int4 import from_quantized, pack_matmulnbits, rtn_int
+from runtime.errors import ExportError, UnsupportedArchitectureError
+
+from _h3_tiny import rand_ids, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def _torch_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.from_numpy(ids)).logits.float().numpy()
+
+
+def _export(model, tok, path, **kw):
+    kw.setdefault("max_length", 256)
+    kw.setdefault("overwrite", True)
+    return exporters.export_onnx(model, tok, path, **kw)
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("graph", ["fused", "plain"])
+def test_fp32_prefill_and_decode_parity(arch, graph, tok, tmp_path, request):
+    """fp32: prefill logits and 24 decode steps through the KV cache match PyTorch."""
+    model = request.getfixturevalue(arch)
+    res = _export(model, tok, tmp_path / "m", graph=graph)
+    assert res.parity["onnx_checker"] == "ok" and res.parity["shape_inference"] == "ok"
+    assert res.parity["max_abs_logit_diff"] < 1e-4
+    meta = json.loads((tmp_path / "m" / "edgeprune.json").read_text())
+    assert meta["architecture"] == model.config.model_type and meta["graph"] == graph
+    assert meta["num_kv_heads"] == 2 and meta["num_heads"] == 4
+    assert meta["leank"] is None and meta["countdown"] is None
+    ids = rand_ids(40, seed=3)
+    with runtime.load(tmp_path / "m") as s:
+        np.testing.assert_allclose(s.logits(ids), _torch_logits(model, ids), atol=1e-4)
+        # decode one token at a time through the cache, feeding the torch model's inputs
+        st = s._prefill([ids[0, :16].tolist()])
+        ref = _torch_logits(model, ids)
+        errs = [np.abs(st["logits"][0] - ref[0, 15]).max()]
+        for t in range(16, 40):
+            got = s._decode_step(st, ids[0, t:t + 1])
+            errs.append(np.abs(got[0] - ref[0, t]).max())
+    assert max(errs) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
+def test_chunked_prefill_with_past(arch, tok, tmp_path, request):
+    """Fused graph: several new tokens fed while a past exists (chunked prefill)."""
+    model = request.getfixturevalue(arch)
+    _export(model, tok, tmp_path / "m", validate=False)
+    ids = rand_ids(30, seed=4)
+    ref = _torch_logits(model, ids)
+    with runtime.load(tmp_path / "m") as s:
+        cache = runtime.kv_cache.SharedKVCache(s.kv, 1, 64)
+        a = s._run_fused(ids[:, :12], np.array([11], np.int32), 12, 12, cache)
+        b = s._run_fused(ids[:, 12:30], np.array([29], np.int32), 30, 18, cache)
+    np.testing.assert_allclose(a[0], ref[0, :12], atol=1e-4)
+    np.testing.assert_allclose(b[0], ref[0, 12:30], atol=1e-4)
+
+
+def _fake_quant(model, qmap):
+    with torch.no_grad():
+        for name, q in qmap.items():
+            model.get_submodule(name).weight.copy_(q.dequantize())
+
+
+def _rtn_map(model, bits=4, group_size=32, pad_groups=False, sym=False):
+    from edgeprune.quantize import rtn_quantize
+    return {n: rtn_quantize(m.weight.detach(), bits, group_size, sym, pad_groups=pad_groups)
+            for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("graph", ["fused", "plain"])
+def test_int4_checkpoint_codes_parity(arch, graph, tok, tmp_path, request):
+    """int4 from the quantizer's own codes == the fake-quantized torch model
+    (accuracy_level 0: fp32 compute, so only float rounding differs), and with
+    accuracy_level 4 (int8 activations) top-1 agreement stays high."""
+    model = request.getfixturevalue(arch)
+    qmap = _rtn_map(model)
+    _fake_quant(model, qmap)
+    ids = rand_ids(48, seed=5)
+    ref = _torch_logits(model, ids)
+    res = _export(model, tok, tmp_path / "a0", precision="int4", quantized=qmap, graph=graph,
+                  accuracy_level=0, lm_head="fp")
+    assert res.metadata["quantization"]["layers"] == 14
+    with runtime.load(tmp_path / "a0") as s:
+        np.testing.assert_allclose(s.logits(ids), ref, atol=1e-4)
+    _export(model, tok, tmp_path / "a4", precision="int4", quantized=qmap, graph=graph,
+            accuracy_level=4, lm_head="fp")
+    with runtime.load(tmp_path / "a4") as s:
+        got = s.logits(ids)
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    assert np.abs(got - ref).max() < 0.2
+
+
+def test_int4_padded_block_layer(tiny_llama, tok, tmp_path):
+    """group_size 64 on down_proj (in = 160, not a multiple of 64): K padded, still exact."""
+    model = tiny_llama
+    qmap = _rtn_map(model, group_size=64, pad_groups=True)
+    assert qmap["model.layers.0.mlp.down_proj"].n_groups == 3       # 64 + 64 + 32
+    _fake_quant(model, qmap)
+    _export(model, tok, tmp_path / "m", precision="int4", quantized=qmap, accuracy_level=0,
+            lm_head="fp", validate=False)
+    ids = rand_ids(32, seed=6)
+    with runtime.load(tmp_path / "m") as s:
+        np.testing.assert_allclose(s.logits(ids), _torch_logits(model, ids), atol=1e-4)
+    m = onnx.load(str(tmp_path / "m" / "model.onnx"))
+    down = [n for n in m.graph.node if n.op_type == "MatMulNBits" and "down_proj" in n.name][0]
+    attrs = {a.name: a.i for a in down.attribute}
+    assert attrs["K"] == 160 and attrs["block_size"] == 64
+
+
+def test_act_order_g_idx_parity(tiny_llama, tok, tmp_path):
+    """GPTQ act_order: groups formed over a column permutation (non-default g_idx)
+    export with the right channel order."""
+    from edgeprune.quantize import QuantizedWeight, rtn_quantize
+    model = tiny_llama
+    rng = np.random.default_rng(0)
+    qmap = {}
+    for n, m in model.named_modules():
+        if not isinstance(m, torch.nn.Linear) or n == "lm_head":
+            continue
+        w = m.weight.detach()
+        perm = torch.from_numpy(rng.permutation(w.shape[1]))
+        q = rtn_quantize(w[:, perm], 4, 32, False)
+        inv = torch.argsort(perm)
+        g_idx = (torch.arange(w.shape[1]) // 32)[inv].to(torch.int32)
+        qmap[n] = QuantizedWeight(codes=q.codes[:, inv], scales=q.scales, zeros=q.zeros,
+                                  bits=4, group_size=32, sym=False, g_idx=g_idx)
+        assert not qmap[n].has_default_order()
+    _fake_quant(model, qmap)
+    _export(model, tok, tmp_path / "m", precision="int4", quantized=qmap, accuracy_level=0,
+            lm_head="fp", validate=False)
+    ids = rand_ids(32, seed=7)
+    with runtime.load(tmp_path / "m") as s:
+        np.testing.assert_allclose(s.logits(ids), _torch_logits(model, ids), atol=1e-4)
+    # dropping g_idx (wrong channel order) must break parity: the test can fail
+    bad = {k: QuantizedWeight(v.codes, v.scales, v.zeros, 4, 32, False) for k, v in qmap.items()}
+    _export(model, tok, tmp_path / "bad", precision="int4", quantized=bad, accuracy_level=0,
+            lm_head="fp", validate=False)
+    with runtime.load(tmp_path / "bad") as s:
+        assert np.abs(s.logits(ids) - _torch_logits(model, ids)).max() > 1e-2
+
+
+def test_matmulnbits_packing_roundtrip():
+    """Packed nibbles/zero points decode back to the codes; padding dequantizes to 0."""
+    rng = np.random.default_rng(0)
+    w = rtn_int(rng.standard_normal((6, 80)).astype(np.float32), 4, 32)
+    B, sc, zp = pack_matmulnbits(w)
+    assert B.shape == (6, 3, 16) and sc.shape == (18,) and zp.shape == (6 * 2,)
+    lo, hi = B & 15, B >> 4
+    codes = np.stack([lo, hi], -1).reshape(6, 96)
+    np.testing.assert_array_equal(codes[:, :80], w.codes)
+    z = np.stack([zp & 15, zp >> 4], -1).reshape(6, 4)[:, :3]
+    np.testing.assert_array_equal(z, w.zeros)
+    np.testing.assert_array_equal(codes[:, 80:], np.repeat(w.zeros[:, 2:3], 16, 1))
+
+
+def test_per_row_group_repeats_scales():
+    """group_size = in_features (per row) is represented exactly with 32-wide blocks."""
+    Q = namedtuple("Q", "codes scales zeros bits group_size sym g_idx")
+    codes = np.random.default_rng(0).integers(0, 16, (4, 96)).astype(np.uint8)
+    q = Q(codes, np.arange(1, 5, dtype=np.float32)[:, None], np.full((4, 1), 8, np.uint8),
+          4, 96, True, None)
+    w = from_quantized(q)
+    assert w.block_size == 32 and w.scales.shape == (4, 3)
+    np.testing.assert_allclose(w.dequantize(), (codes.astype(np.float32) - 8) *
+                               np.arange(1, 5)[:, None])
+
+
+def test_int4_lm_head_modes_and_tied_sharing(tok, tmp_path):
+    """Tied embeddings + q8 head share ONE table (gathered for the embedding);
+    int4 head only on request and recorded."""
+    from transformers import LlamaConfig
+    from conftest import _tiny
+    model = _tiny(LlamaConfig, tie_word_embeddings=True)
+    r8 = _export(model, tok, tmp_path / "q8", precision="int4", accuracy_level=0)
+    assert r8.metadata["lm_head"] == "q8" and r8.metadata["quantization"]["lm_head"] == "int8 block 32"
+    m = onnx.load(str(tmp_path / "q8" / "model.onnx"))
+    names = [i.name for i in m.graph.initializer]
+    assert "model.embed_tokens.weight" not in names and "lm_head.qweight" in names
+    assert r8.parity["max_abs_logit_diff"] < 1e-3
+    r4 = _export(model, tok, tmp_path / "i4", precision="int4", lm_head="int4", accuracy_level=0)
+    assert r4.metadata["quantization"]["lm_head"] == "int4 block 32"
+    assert r4.parity["max_abs_logit_diff"] < 1e-3
+    assert r4.model_bytes < r8.model_bytes
+    rf = _export(model, tok, tmp_path / "fp", precision="fp32")
+    assert rf.parity["max_abs_logit_diff"] < 1e-4
+
+
+def test_fp16_export_runs(tiny_llama, tok, tmp_path):
+    res = _export(tiny_llama, tok, tmp_path / "m", precision="fp16")
+    assert res.parity["top1_agreement"] >= 0.95
+    assert res.metadata["kv_layout"]["dtype"] == "float16"
+
+
+def test_folder_contents_and_metadata(tiny_llama, tok, tmp_path):
+    res = _export(tiny_llama, tok, tmp_path / "m", precision="int4",
+                  provenance={"method": "rtn", "recipe": "w4g32"})
+    files = set(res.files)
+    assert {"model.onnx", "tokenizer.json", "tokenizer_config.json", "genai_config.json",
+            "edgeprune.json"} <= files
+    cfg = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    assert cfg["chat_template"] and cfg["eos_token"] == "</s>"
+    meta = res.metadata
+    kv = meta["kv_layout"]
+    assert kv["past_key"]["shape"] == ["batch_size", 2, "max_length", "key_head_dim"]
+    assert kv["past_key"]["key_head_dim"] == [16, 16]
+    assert meta["quantization"]["bits"] == 4 and meta["provenance"]["method"] == "rtn"
+    assert meta["sparse_24_speedup_claimed"] is False
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".m.tmp")]
+    assert "parity on 64 tokens" in res.summary()
+
+
+def test_external_data(tiny_llama, tok, tmp_path):
+    res = _export(tiny_llama, tok, tmp_path / "m", external_data=True)
+    assert "model.onnx.data" in res.files and res.files["model.onnx"] < 100_000
+    assert res.parity["max_abs_logit_diff"] < 1e-4
+
+
+def test_bad_inputs_leave_nothing(tiny_llama, tok, tmp_path, monkeypatch):
+    # output inside the input folder
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    tiny_llama.config._name_or_path = str(src)
+    with pytest.raises(ExportError, match="inside the input folder"):
+        exporters.export_onnx(tiny_llama, tok, src / "onnx")
+    tiny_llama.config._name_or_path = ""
+    # existing folder without overwrite
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(ExportError, match="already exists"):
+        exporters.export_onnx(tiny_llama, tok, tmp_path / "exists")
+    # insufficient disk
+    import exporters.folder as folder
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(folder.shutil, "disk_usage", lambda p: Usage(10, 10, 1000))
+    with pytest.raises(ExportError, match="not enough disk space"):
+        exporters.export_onnx(tiny_llama, tok, tmp_path / "nodisk")
+    monkeypatch.undo()
+    assert not (tmp_path / "nodisk").exists()
+    # missing tensors / unsupported layer type
+    broken = copy.deepcopy(tiny_llama)
+    broken.model.layers[1].mlp.up_proj = torch.nn.Identity()
+    with pytest.raises((ExportError, UnsupportedArchitectureError), match="up_proj"):
+        exporters.export_onnx(broken, tok, tmp_path / "broken")
+    # failure during the write (validation) -> temp folder removed
+    import exporters.validate as validate
+    monkeypatch.setattr(validate, "check_graph", lambda p: (_ for _ in ()).throw(
+        ExportError("boom", "none")))
+    with pytest.raises(ExportError, match="boom"):
+        exporters.export_onnx(tiny_llama, tok, tmp_path / "failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "exists"]
+
+
+def test_unsupported_architecture(tok, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    m = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256))
+    with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
+        exporters.export_onnx(m, tok, tmp_path / "g")
+    assert not (tmp_path / "g").exists()
+
+
+def test_overwrite_replaces(tiny_llama, tok, tmp_path):
+    _export(tiny_llama, tok, tmp_path / "m", validate=False)
+    (tmp_path / "m" / "stale.txt").write_text("x")
+    _export(tiny_llama, tok, tmp_path / "m", validate=False)
+    assert not (tmp_path / "m" / "stale.txt").exists()

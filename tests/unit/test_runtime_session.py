@@ -1,0 +1,219 @@
+"""Runtime session tests: generate/stream/logits/batching/errors on tiny exports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import exporters
+import runtime
+from runtime.errors import GenerationError, RuntimeLoadError
+
+from _h3_tiny import rand_ids, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Tiny qwen2 (GQA + bias) exported fused and plain, plus the torch model."""
+    from transformers import Qwen2Config
+    from conftest import _tiny
+    model = _tiny(Qwen2Config)
+    tok = tiny_tokenizer()
+    base = tmp_path_factory.mktemp("rt")
+    out = {}
+    for graph in ("fused", "plain"):
+        exporters.export_onnx(model, tok, base / graph, graph=graph, max_length=160,
+                              validate=False)
+        out[graph] = base / graph
+    return model, out
+
+
+def _torch_greedy(model, ids, n):
+    with torch.no_grad():
+        out = model.generate(torch.from_numpy(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("graph", ["fused", "plain"])
+def test_greedy_matches_torch_64_tokens(folders, graph):
+    model, f = folders
+    ids = rand_ids(12, seed=11)
+    ref = _torch_greedy(model, ids, 64)
+    with runtime.load(f[graph]) as s:
+        s.eos_token_ids = []            # random model: never stop early
+        res = s.generate(ids[0].tolist(), max_new_tokens=64)
+    assert res.token_ids[0] == ref
+    assert res.prompt_tokens == [12] and len(res.step_ms) == 63
+    assert res.ttft_ms > 0 and res.decode_tok_s > 0 and res.finish_reasons == ["length"]
+
+
+@pytest.mark.parametrize("graph", ["fused", "plain"])
+def test_left_padding_invisible(folders, graph):
+    """A prompt alone and in a batch beside a longer one: same logits, same tokens."""
+    _, f = folders
+    short, long_ = rand_ids(9, seed=1)[0], rand_ids(30, seed=2)[0]
+    with runtime.load(f[graph]) as s:
+        s.eos_token_ids = []
+        ids = np.zeros((2, 30), np.int64)
+        mask = np.zeros((2, 30), np.int64)
+        ids[0, 21:], mask[0, 21:] = short, 1
+        ids[1], mask[1] = long_, 1
+        both = s.logits(ids, mask)
+        np.testing.assert_allclose(both[0, 21:], s.logits(short[None])[0], atol=1e-5)
+        np.testing.assert_allclose(both[1], s.logits(long_[None])[0], atol=1e-5)
+        assert not both[0, :21].any()
+        batch = s.generate([short.tolist(), long_.tolist()], max_new_tokens=20)
+        a = s.generate(short.tolist(), max_new_tokens=20)
+        b = s.generate(long_.tolist(), max_new_tokens=20)
+    assert batch.token_ids == [a.token_ids[0], b.token_ids[0]]
+
+
+def test_stream_equals_generate_and_sampling_seeded(folders):
+    _, f = folders
+    with runtime.load(f["fused"]) as s:
+        s.eos_token_ids = []
+        kw = dict(max_new_tokens=40, temperature=0.8, top_k=50, top_p=0.95, seed=7)
+        g = s.generate("hello world", **kw)
+        pieces = list(s.stream("hello world", **kw))
+        assert "".join(pieces) == g.text and len(pieces) > 1
+        g2 = s.generate("hello world", **kw)
+        assert g2.token_ids == g.token_ids
+        g3 = s.generate("hello world", **{**kw, "seed": 8})
+        assert g3.token_ids != g.token_ids
+
+
+def test_stop_strings_and_eos(folders):
+    _, f = folders
+    with runtime.load(f["fused"]) as s:
+        s.eos_token_ids = []
+        full = s.generate("abc", max_new_tokens=30).text
+        stop = full[5:7]
+        cut = s.generate("abc", max_new_tokens=30, stop=[stop])
+        assert cut.text == full[:full.find(stop)] and cut.finish_reasons == ["stop"]
+        assert "".join(s.stream("abc", max_new_tokens=30, stop=[stop])) == cut.text
+        # make the first greedy token an eos: generation ends with nothing
+        first = s.generate("abc", max_new_tokens=1).token_ids[0][0]
+        s.eos_token_ids = [first]
+        r = s.generate("abc", max_new_tokens=10)
+        assert r.token_ids == [[]] and r.finish_reasons == ["eos"]
+
+
+def test_chat_template(folders):
+    _, f = folders
+    with runtime.load(f["fused"]) as s:
+        r = s.generate("hi", max_new_tokens=2, chat=True)
+        assert r.prompt_tokens == [len("<user>hi<assistant>")]
+
+
+def test_kv_cache_sized_from_graph_and_preallocated(folders):
+    _, f = folders
+    with runtime.load(f["fused"], max_length=100) as s:
+        # 2 layers x 2 kv heads x 16 dims x 4 bytes per token
+        assert s.kv_cache_bytes(100) == {"k": 2 * 2 * 16 * 4 * 100, "v": 2 * 2 * 16 * 4 * 100}
+        s.eos_token_ids = []
+        s.generate("abc", max_new_tokens=5)
+        cache = s._caches[1]
+        bufs = [a.ctypes.data for a in cache.arrays]
+        assert cache.arrays[0].shape == (1, 2, 100, 16)
+        s.generate("abcdef", max_new_tokens=50)
+        assert [a.ctypes.data for a in s._caches[1].arrays] == bufs   # reused, not reallocated
+        assert s.weights_bytes > 0
+
+
+def test_context_overflow_policies(folders):
+    model, f = folders
+    with runtime.load(f["fused"], max_length=32) as s:
+        s.eos_token_ids = []
+        with pytest.raises(GenerationError, match="max_length=32"):
+            s.generate(rand_ids(20)[0].tolist(), max_new_tokens=20)
+        with pytest.raises(GenerationError, match="max_length=32"):
+            s.generate(rand_ids(40)[0].tolist(), max_new_tokens=1)
+    with runtime.load(f["fused"], max_length=32, context_policy="sliding_window") as s:
+        s.eos_token_ids = []
+        ids = rand_ids(20, seed=3)[0].tolist()
+        r = s.generate(ids, max_new_tokens=40)
+        assert len(r.token_ids[0]) == 40
+        # up to the window the tokens equal an unbounded run
+        ref = _torch_greedy(model, np.array([ids]), 12)
+        assert r.token_ids[0][:12] == ref
+
+
+def test_bad_inputs(folders, tmp_path):
+    _, f = folders
+    with pytest.raises(RuntimeLoadError, match="missing"):
+        runtime.load(tmp_path)
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(f["fused"], bad)
+    (bad / "model.onnx").write_bytes(b"not an onnx file")
+    with pytest.raises(RuntimeLoadError, match="corrupt"):
+        runtime.load(bad)
+    (bad / "model.onnx").unlink()
+    with pytest.raises(RuntimeLoadError, match="model.onnx"):
+        runtime.load(bad)
+    with pytest.raises(RuntimeLoadError, match="device"):
+        runtime.load(f["fused"], device="tpu")
+    with runtime.load(f["fused"]) as s:
+        for empty in ("", [], [""]):
+            with pytest.raises(GenerationError, match="empty"):
+                s.generate(empty)
+        with pytest.raises(GenerationError, match="max_new_tokens"):
+            s.generate("a", max_new_tokens=0)
+        with pytest.raises(GenerationError, match="temperature"):
+            s.generate("a", temperature=-1)
+        with pytest.raises(GenerationError, match="out of range"):
+            s.generate([1, 2, 9999])
+    with pytest.raises(GenerationError, match="exceeds"):
+        runtime.load(f["fused"], max_length=10_000)
+
+
+def test_two_sessions_in_threads(folders):
+    _, f = folders
+    prompts = ["one two", "three four five"]
+    alone = []
+    for p in prompts:
+        with runtime.load(f["fused"], threads=1) as s:
+            s.eos_token_ids = []
+            alone.append(s.generate(p, max_new_tokens=30).token_ids)
+    got = [None, None]
+
+    def work(i):
+        with runtime.load(f["fused"], threads=1) as s:
+            s.eos_token_ids = []
+            got[i] = s.generate(prompts[i], max_new_tokens=30).token_ids
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert got == alone
+
+
+def test_runtime_without_torch(folders):
+    """`import runtime` and a full generate with torch/transformers unimportable."""
+    _, f = folders
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'transformers'):\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import runtime\n"
+        f"s = runtime.load({str(f['fused'])!r})\n"
+        "r = s.generate('hello', max_new_tokens=8)\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+        "print('OK', len(r.token_ids[0]))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("OK")
