@@ -1,0 +1,241 @@
+"""Calibration windows (``nsamples`` x ``seqlen`` token ids) and evaluation text.
+
+Sources accepted by :func:`load_documents` / :func:`get_calibration`:
+
+* ``None`` or ``"default"``: the embedded default (see below);
+* a plain-text file (``.txt``, ``.raw``, anything else): one document per blank-line
+  separated paragraph block is *not* assumed -- the whole file is one document stream;
+* a JSONL file (``.jsonl``): one document per line, field ``text``;
+* a Parquet file (``.parquet``): column ``text`` (e.g. C4 validation);
+* a Hugging Face dataset name (``"hf:NAME[:CONFIG][:SPLIT]"``), only when online and the
+  ``datasets`` package is installed.
+
+**The embedded default text** is the Python standard library's bundled documentation
+topics (``pydoc_data.topics``: 79 topics, about 465k characters of English prose and code
+that ships with every CPython). Topics are ordered by name; every third topic
+(index % 3 == 2) forms the *held-out* part used for evaluation, the rest the
+*calibration* part, so the two never share text. It is small, real and always there;
+it is not a substitute for a domain corpus: calibrate on text like your application's.
+
+**Windows.** Documents are tokenized without special tokens (no BOS) and joined with a
+blank line into one token stream, which is cut into consecutive non-overlapping
+``seqlen`` windows. A document longer than ``seqlen`` therefore spans several windows
+(never dropped), and no search waits for a single document of ``seqlen`` tokens, so a
+model with a 131k context can calibrate on ordinary text. ``nsamples`` windows are then
+drawn without replacement with ``torch.Generator().manual_seed(seed)``. ``seqlen`` is
+capped at :data:`MAX_SEQLEN` whatever the model's context length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from .errors import CalibrationError, ConfigError
+
+#: Upper bound on calibration window length, independent of the model's context length.
+MAX_SEQLEN = 4096
+#: Tokens read beyond what the windows need, so the random draw has room (x this factor).
+_OVERSAMPLE = 4
+
+
+@dataclass
+class CalibrationSet:
+    """Token windows plus where they came from.
+
+    Attributes:
+        input_ids: ``int64 [nsamples, seqlen]``.
+        info: JSON-able provenance: source, sha256 of the text read, seed, sizes.
+    """
+
+    input_ids: torch.Tensor
+    info: dict = field(default_factory=dict)
+
+
+def default_documents(part: str = "calibration") -> list[str]:
+    """The embedded default text (``pydoc_data.topics``), split into two disjoint parts.
+
+    Args:
+        part: ``"calibration"`` or ``"heldout"``.
+
+    Returns:
+        List of documents (one per documentation topic), in topic-name order.
+    """
+    if part not in ("calibration", "heldout"):
+        raise ConfigError(f"unknown default text part {part!r}", "use 'calibration' or 'heldout'")
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)
+    keep = [n for i, n in enumerate(names) if (i % 3 == 2) == (part == "heldout")]
+    return [topics[n].strip() for n in keep]
+
+
+def default_text(part: str = "heldout") -> str:
+    """The embedded default text part as one string (documents joined by a blank line)."""
+    return "\n\n".join(default_documents(part))
+
+
+def read_text_file(path: str | Path) -> str:
+    """Read a text file as UTF-8 with universal newlines (CRLF becomes LF).
+
+    Raises:
+        CalibrationError: missing or undecodable file.
+    """
+    p = Path(path)
+    try:
+        with open(p, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise CalibrationError(f"text file {p} does not exist", "check the path") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CalibrationError(f"could not read {p} as UTF-8 text ({exc})",
+                               "pass a UTF-8 plain-text, JSONL or Parquet file") from None
+
+
+def load_documents(source: str | Path | None = None, *, part: str = "calibration") -> tuple[list[str], str]:
+    """Load documents from any supported source.
+
+    Args:
+        source: see the module docstring.
+        part: which part of the embedded default to use when ``source`` is None.
+
+    Returns:
+        ``(documents, description)``.
+
+    Raises:
+        CalibrationError: unreadable file, missing ``text`` field/column, offline dataset.
+    """
+    if source is None or str(source) == "default":
+        return default_documents(part), f"default:pydoc_data.topics[{part}]"
+    s = str(source)
+    if s.startswith("hf:"):
+        return _hf_documents(s[3:]), s
+    p = Path(s).expanduser()
+    if not p.exists():
+        raise CalibrationError(f"calibration source {s!r} not found",
+                               "pass a text/JSONL/Parquet file, 'hf:NAME' (online) or omit it for the default")
+    if p.suffix == ".jsonl":
+        docs = []
+        for i, line in enumerate(read_text_file(p).splitlines()):
+            if not line.strip():
+                continue
+            try:
+                docs.append(json.loads(line)["text"])
+            except (ValueError, KeyError, TypeError):
+                raise CalibrationError(f"{p}:{i + 1} is not a JSON object with a 'text' field",
+                                       "write one {\"text\": ...} object per line") from None
+        return docs, str(p)
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(p, columns=["text"])
+        except Exception as exc:  # pyarrow raises several types
+            raise CalibrationError(f"could not read column 'text' from {p} ({exc})",
+                                   "use a Parquet file with a string column named 'text'") from None
+        return [t for t in table.column("text").to_pylist() if t], str(p)
+    return [read_text_file(p)], str(p)
+
+
+def _hf_documents(spec: str) -> list[str]:
+    parts = spec.split(":")
+    name, config, split = parts[0], (parts[1] if len(parts) > 1 else None), (parts[2] if len(parts) > 2 else "train")
+    try:
+        import datasets  # type: ignore
+    except ImportError:
+        raise CalibrationError("Hugging Face datasets need the 'datasets' package",
+                               "pip install datasets, or pass a local text/JSONL/Parquet file") from None
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as exc:
+        raise CalibrationError(f"could not load dataset {name!r} ({type(exc).__name__}); it needs network access",
+                               "pass a local text/JSONL/Parquet file instead") from None
+    return [t for t in ds["text"] if t]
+
+
+def token_stream(tokenizer, documents: Iterable[str], max_tokens: int | None = None) -> list[int]:
+    """Tokenize documents (no special tokens) into one stream joined by a blank line.
+
+    Stops once ``max_tokens`` tokens are collected (bounded work on huge corpora).
+    """
+    sep = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+    ids: list[int] = []
+    for doc in documents:
+        if not doc:
+            continue
+        if ids:
+            ids.extend(sep)
+        ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
+        if max_tokens is not None and len(ids) >= max_tokens:
+            break
+    return ids
+
+
+def check_seqlen(seqlen: int, model_max: int | None = None) -> int:
+    """Validate a window length: ``1 < seqlen <= min(MAX_SEQLEN, model context)``.
+
+    Raises:
+        ConfigError: out of range.
+    """
+    limit = min(MAX_SEQLEN, model_max) if model_max else MAX_SEQLEN
+    if not isinstance(seqlen, int) or seqlen < 2 or seqlen > limit:
+        raise ConfigError(f"seqlen={seqlen} is out of range",
+                          f"use 2 <= seqlen <= {limit} (cap {MAX_SEQLEN}, independent of the model's context)")
+    return seqlen
+
+
+def build_calibration(tokenizer, source: str | Path | None = None, *, nsamples: int = 128,
+                      seqlen: int = 512, seed: int = 0, model_max_length: int | None = None) -> CalibrationSet:
+    """Build ``nsamples`` windows of ``seqlen`` tokens, seeded and reproducible.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (callable returning ``input_ids``).
+        source: see the module docstring (None = embedded default, calibration part).
+        nsamples: number of windows.
+        seqlen: tokens per window (capped at :data:`MAX_SEQLEN`).
+        seed: seed of the window draw.
+        model_max_length: the model's context length, if smaller than the cap.
+
+    Returns:
+        :class:`CalibrationSet` with ``input_ids`` ``int64 [nsamples, seqlen]``.
+
+    Raises:
+        ConfigError: bad ``nsamples``/``seqlen``.
+        CalibrationError: unreadable source, or too little text for the requested windows
+            (the message says how many tokens were found and how many are needed).
+    """
+    if not isinstance(nsamples, int) or nsamples < 1:
+        raise ConfigError(f"nsamples={nsamples} must be a positive integer", "use e.g. --nsamples 128")
+    check_seqlen(seqlen, model_max_length)
+    docs, desc = load_documents(source, part="calibration")
+    need = nsamples * seqlen
+    ids = token_stream(tokenizer, docs, max_tokens=need * _OVERSAMPLE)
+    nwin = len(ids) // seqlen
+    if nwin < nsamples:
+        raise CalibrationError(
+            f"calibration text {desc} has {len(ids)} tokens, enough for {nwin} windows of {seqlen}; "
+            f"{nsamples} windows need {need} tokens",
+            "give more text, or lower --nsamples / --seqlen")
+    windows = torch.tensor(ids[: nwin * seqlen], dtype=torch.long).view(nwin, seqlen)
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(nwin, generator=g)[:nsamples].sort().values
+    text_hash = hashlib.sha256("\n\n".join(docs).encode()).hexdigest()
+    info = dict(source=desc, sha256=text_hash, seed=seed, nsamples=nsamples, seqlen=seqlen,
+                tokens_read=len(ids), windows_available=nwin)
+    return CalibrationSet(windows[pick].clone(), info)
+
+
+def get_calibration(tokenizer, source: str | Path | None = None, nsamples: int = 128,
+                    seqlen: int = 512, seed: int = 0) -> torch.Tensor:
+    """Shortcut for :func:`build_calibration` returning only ``int64 [nsamples, seqlen]``."""
+    return build_calibration(tokenizer, source, nsamples=nsamples, seqlen=seqlen, seed=seed).input_ids
+
+
+__all__ = ["CalibrationSet", "build_calibration", "get_calibration", "default_documents",
+           "default_text", "load_documents", "read_text_file", "token_stream", "check_seqlen",
+           "MAX_SEQLEN"]

@@ -1,0 +1,219 @@
+"""Perplexity and fidelity to the dense model, under one fixed, recorded protocol.
+
+Protocol (the one the GPTQ/SparseGPT/Wanda papers use for WikiText-2, and the one the
+pruning-vs-quantization study reports):
+
+1. text -> token ids with the model's tokenizer, **no BOS** (``add_special_tokens=False``);
+   text files are read as UTF-8 with universal newlines (CRLF -> LF);
+2. consecutive, non-overlapping windows of ``seqlen`` tokens (a trailing partial window
+   is dropped);
+3. the first ``nwindows`` windows (all of them when ``nwindows=None``);
+4. ``ppl = exp(mean over windows and positions of -log p(x_{t+1} | x_{<=t}))``; each
+   window contributes ``seqlen - 1`` predictions, with no context carried across windows.
+
+Defaults: ``seqlen=512``, ``nwindows=40``. Perplexities at different ``seqlen`` are not
+comparable, so every result carries its :class:`Protocol` (text source and SHA-256 of
+the text, tokenizer, ``seqlen``, windows, tokens scored).
+
+Fidelity (the pruning-vs-quantization study's point that perplexity alone misleads):
+on the same windows, the mean per-token ``KL(p_dense || p_compressed)`` (nats) and the
+top-1 next-token agreement (fraction of positions where both argmaxes agree).
+
+``model`` may be a torch causal LM or any callable ``fn(input_ids int64 [1, S]) ->
+logits [1, S, V]`` (torch tensor or numpy array), so exported ONNX models and filtered
+variants (COUNTDOWN, LeanK) are scored by exactly the same code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .calibration import default_text, read_text_file
+from .errors import CalibrationError, ConfigError
+
+
+@dataclass
+class Protocol:
+    """How a perplexity was computed; results under different protocols are not comparable."""
+
+    text_source: str
+    text_sha256: str
+    tokenizer: str
+    seqlen: int
+    nwindows: int
+    ntokens_scored: int
+    bos: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class PerplexityResult:
+    """``ppl`` (exp of mean NLL), ``nll`` (nats/token) and the :class:`Protocol`."""
+
+    ppl: float
+    nll: float
+    protocol: Protocol
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(ppl=self.ppl, nll=self.nll, protocol=self.protocol.to_dict())
+
+
+@dataclass
+class FidelityResult:
+    """Fidelity of a compressed model to the dense one on the same windows.
+
+    Attributes:
+        kl: mean per-token KL(dense || compressed), nats.
+        top1_agree: fraction in [0, 1] of positions with the same argmax.
+        ppl_dense, ppl: perplexities of both models on these windows.
+    """
+
+    kl: float
+    top1_agree: float
+    ppl_dense: float
+    ppl: float
+    protocol: Protocol
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["protocol"] = self.protocol.to_dict()
+        return d
+
+
+def resolve_text(text: str | Path | None) -> tuple[str, str]:
+    """Return ``(text, description)`` for a file path, a literal string or None (default held-out)."""
+    if text is None or str(text) == "default":
+        return default_text("heldout"), "default:pydoc_data.topics[heldout]"
+    if isinstance(text, Path) or (isinstance(text, str) and len(text) < 4096 and "\n" not in text
+                                  and Path(text).expanduser().is_file()):
+        p = Path(text).expanduser()
+        return read_text_file(p), str(p)
+    if isinstance(text, str) and len(text) < 512 and ("/" in text or text.endswith((".txt", ".raw"))):
+        raise CalibrationError(f"evaluation text file {text} does not exist", "check the path")
+    return str(text), "literal string"
+
+
+def _tokenizer_name(tokenizer) -> str:
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    return f"{name} (vocab {len(tokenizer)})" if hasattr(tokenizer, "__len__") else str(name)
+
+
+def eval_windows(tokenizer, text: str | Path | None = None, *, seqlen: int = 512,
+                 nwindows: int | None = 40) -> tuple[torch.Tensor, Protocol]:
+    """Tokenize ``text`` and cut the protocol's windows.
+
+    Returns:
+        ``(windows int64 [n, seqlen], protocol)``.
+
+    Raises:
+        ConfigError: ``seqlen < 2`` or ``nwindows < 1``.
+        CalibrationError: the text is too short for one window, or for ``nwindows``.
+    """
+    if seqlen < 2:
+        raise ConfigError(f"seqlen={seqlen} must be at least 2", "use e.g. --seqlen 512")
+    if nwindows is not None and nwindows < 1:
+        raise ConfigError(f"nwindows={nwindows} must be positive or None (all)", "use e.g. --nwindows 40")
+    body, desc = resolve_text(text)
+    ids = tokenizer(body, add_special_tokens=False)["input_ids"]
+    avail = len(ids) // seqlen
+    if avail == 0 or (nwindows is not None and avail < nwindows):
+        raise CalibrationError(
+            f"evaluation text {desc} has {len(ids)} tokens: {avail} windows of {seqlen}, "
+            f"{nwindows or 1} needed", "use a longer text, or lower --nwindows / --seqlen")
+    n = avail if nwindows is None else nwindows
+    windows = torch.tensor(ids[: n * seqlen], dtype=torch.long).view(n, seqlen)
+    proto = Protocol(text_source=desc, text_sha256=hashlib.sha256(body.encode()).hexdigest(),
+                     tokenizer=_tokenizer_name(tokenizer), seqlen=seqlen, nwindows=n,
+                     ntokens_scored=n * (seqlen - 1))
+    return windows, proto
+
+
+LogitsFn = Callable[[torch.Tensor], Any]
+
+
+def _logits_fn(model) -> LogitsFn:
+    if isinstance(model, torch.nn.Module):
+        device = next(model.parameters()).device
+
+        def fn(ids):
+            return model(ids.to(device), use_cache=False).logits
+
+        return fn
+    if callable(model):
+        return model
+    raise ConfigError(f"cannot evaluate a {type(model).__name__}", "pass a torch model or a logits function")
+
+
+def _as_tensor(x) -> torch.Tensor:
+    return (x if isinstance(x, torch.Tensor) else torch.from_numpy(x)).float().cpu()
+
+
+@torch.no_grad()
+def perplexity(model, tokenizer, text: str | Path | None = None, *, seqlen: int = 512,
+               nwindows: int | None = 40, progress: bool = True) -> PerplexityResult:
+    """Perplexity of ``model`` on ``text`` under the module's protocol.
+
+    Args:
+        model: torch causal LM, or callable ``ids [1, S] -> logits [1, S, V]``.
+        tokenizer: Hugging Face tokenizer.
+        text: file path, literal text, or None for the embedded held-out default text.
+        seqlen: window length in tokens.
+        nwindows: first windows to score (None = all).
+        progress: show a progress bar.
+
+    Returns:
+        :class:`PerplexityResult`.
+
+    Raises:
+        ConfigError, CalibrationError: see :func:`eval_windows`.
+    """
+    windows, proto = eval_windows(tokenizer, text, seqlen=seqlen, nwindows=nwindows)
+    fn = _logits_fn(model)
+    total = 0.0
+    for w in tqdm(windows, desc="perplexity", unit="win", disable=not progress, leave=False):
+        logits = _as_tensor(fn(w[None]))[0, :-1]
+        total += F.cross_entropy(logits, w[1:], reduction="sum").item()
+    nll = total / proto.ntokens_scored
+    return PerplexityResult(ppl=math.exp(nll), nll=nll, protocol=proto)
+
+
+@torch.no_grad()
+def fidelity(dense, model, tokenizer, text: str | Path | None = None, *, seqlen: int = 512,
+             nwindows: int | None = 40, progress: bool = True) -> FidelityResult:
+    """KL(dense || compressed), top-1 agreement and both perplexities on the same windows.
+
+    Args:
+        dense: the reference model (torch module or logits callable).
+        model: the compressed model (torch module or logits callable).
+        tokenizer, text, seqlen, nwindows, progress: as in :func:`perplexity`.
+
+    Returns:
+        :class:`FidelityResult` (KL in nats per token; agreement in [0, 1]).
+    """
+    windows, proto = eval_windows(tokenizer, text, seqlen=seqlen, nwindows=nwindows)
+    f_dense, f_model = _logits_fn(dense), _logits_fn(model)
+    kl = agree = nll_d = nll_m = 0.0
+    for w in tqdm(windows, desc="fidelity", unit="win", disable=not progress, leave=False):
+        ld = F.log_softmax(_as_tensor(f_dense(w[None]))[0, :-1], -1)
+        lm = F.log_softmax(_as_tensor(f_model(w[None]))[0, :-1], -1)
+        kl += (ld.exp() * (ld - lm)).sum().item()
+        agree += (ld.argmax(-1) == lm.argmax(-1)).sum().item()
+        nll_d += F.nll_loss(ld, w[1:], reduction="sum").item()
+        nll_m += F.nll_loss(lm, w[1:], reduction="sum").item()
+    n = proto.ntokens_scored
+    return FidelityResult(kl=kl / n, top1_agree=agree / n, ppl_dense=math.exp(nll_d / n),
+                          ppl=math.exp(nll_m / n), protocol=proto)
+
+
+__all__ = ["Protocol", "PerplexityResult", "FidelityResult", "perplexity", "fidelity",
+           "eval_windows", "resolve_text"]
