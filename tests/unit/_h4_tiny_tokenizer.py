@@ -50,3 +50,27 @@ def save_tiny_tokenizer(folder: str | Path, vocab_size: int = 320):
 
     make_tiny_tokenizer(vocab_size).save_pretrained(str(folder))
     return AutoTokenizer.from_pretrained(str(folder))
+
+
+def export_tiny_llama(folder: str | Path, precision: str = "fp32", max_length: int = 512):
+    """Export a 2-layer random llama (hidden 64, 4 q / 2 kv heads of dim 16, vocab = the tiny
+    tokenizer's) with ``exporters.export_onnx``; returns ``(folder, hf_model, hf_tokenizer)``."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import exporters
+
+    tok = save_tiny_tokenizer(tempfile.mkdtemp(prefix="tinytok-"))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_length,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=2)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    exporters.export_onnx(model, tok, folder, precision=precision, overwrite=True, max_length=max_length)
+    return Path(folder), model, tok

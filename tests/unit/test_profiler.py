@@ -1,0 +1,95 @@
+"""runtime.profiler on a tiny exported llama: measured figures, budget, projection, sweep, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _h4_tiny_tokenizer import export_tiny_llama
+
+import devices
+from runtime.errors import DeviceError, GenerationError, RuntimeLoadError
+from runtime.profiler import gpu_availability, model_work, profile
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder, _, _ = export_tiny_llama(tmp_path_factory.mktemp("prof") / "tiny")
+    return folder
+
+
+def test_model_work_counts_weights_and_ops(tiny_folder):
+    w = model_work(tiny_folder)
+    # per layer q 64x64, k 64x32, v 64x32, o 64x64, gate/up 64x160, down 160x64; lm_head 64x320
+    macs = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 64 * 160 * 3) + 64 * 320
+    assert w["weight_ops_per_token"] == 2 * macs
+    assert w["embedding_bytes"] == 320 * 64 * 4
+    # Linears read in full (fp32), one embedding row, plus norms / rotary tables.
+    assert 4 * macs + 64 * 4 <= w["weight_bytes_per_token"] < 4 * macs + 64 * 4 + 300_000
+    assert w["attn_ops_per_position"] == 4 * 4 * 16 * 2 and w["compute"] == "fp32"
+
+
+def test_profile_measures_and_projects(tiny_folder, tmp_path):
+    r = profile(tiny_folder, "raspberry-pi-5", prompt_len=24, gen_len=16, repeat=2, sweep=[32, 64],
+                out_dir=tmp_path)
+    m = r.measured
+    assert m["final_length"] == 40
+    # K and V: 2 layers x 2 kv heads x 16 dims x fp32 per token, each.
+    assert m["kv_bytes"] == {"k": 40 * 2 * 2 * 16 * 4, "v": 40 * 2 * 2 * 16 * 4}
+    assert m["weights_bytes"] == (tiny_folder / "model.onnx").stat().st_size
+    assert m["decode_tok_s"]["median"] == pytest.approx(1000.0 / m["decode_step_ms"]["median"])
+    assert m["decode_step_ms"]["p90"] >= m["decode_step_ms"]["median"] > 0
+    assert m["ttft_ms"]["median"] > 0 and m["prefill_tok_s"]["median"] > 0
+    assert len(m["decode_tok_s"]["runs"]) == 2
+    # Peak RSS of the runtime-only subprocess: above the weights, far below a torch process.
+    assert m["weights_bytes"] < m["peak_rss_bytes"] < 400 * 2**20
+    assert r.settings["threads"] == min(4, __import__("os").cpu_count())
+    p = r.projected["raspberry-pi-5"]
+    assert p["kind"].startswith("projected") and p["decode_tok_s"] > 0 and p["fits_budget"]
+    assert [s["context"] for s in r.sweep] == [32, 64]
+    assert r.sweep[1]["kv_bytes"] == (64 + 16) * 2 * 2 * 2 * 16 * 4
+    png = tmp_path / "sweep-tiny-raspberry-pi-5.png"
+    assert r.plot_path == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = r.to_markdown()
+    assert "projected: raspberry-pi-5" in md and "measured (this host" in md and "| 64 |" in md
+    data = json.loads(r.to_json(tmp_path / "p.json"))
+    assert data == json.loads((tmp_path / "p.json").read_text())
+    assert data["measured"]["kv_bytes"]["k"] == 10240
+
+
+def test_host_profile_projects_to_every_target(tiny_folder):
+    r = profile(tiny_folder, "cpu-host", prompt_len=8, gen_len=8, repeat=1, isolate=False)
+    names = {p.name for p in devices.list_profiles() if not p.is_host}
+    assert set(r.projected) == names
+    assert r.host["bandwidth_gbs"] > 0
+
+
+def test_memory_budget_is_enforced(tiny_folder, tmp_path):
+    src = (devices.PROFILE_DIR / "raspberry-pi-5.toml").read_text()
+    tiny = tmp_path / "tiny-board.toml"
+    tiny.write_text(src.replace('name = "raspberry-pi-5"', 'name = "tiny-board"')
+                    .replace("memory_budget_mb = 6144", "memory_budget_mb = 20"))
+    with pytest.raises(DeviceError, match=r"exceeded the memory budget of profile 'tiny-board' \(20.0 MiB\)") as e:
+        profile(tiny_folder, str(tiny), prompt_len=8, gen_len=8, repeat=1)
+    assert "int4" in e.value.hint
+
+
+def test_gpu_profile_without_gpu_says_why(tiny_folder):
+    ok, reason = gpu_availability()
+    if ok:
+        pytest.skip("a GPU is present here")
+    r = profile(tiny_folder, "jetson-orin-nano", prompt_len=8, gen_len=4, repeat=1)
+    assert r.gpu == {"available": False, "reason": reason} and "not available here" in reason
+    assert r.projected == {} or "jetson-orin-nano" in r.projected
+    assert "NOT available" in r.to_markdown()
+
+
+def test_bad_inputs(tiny_folder, tmp_path):
+    with pytest.raises(DeviceError, match="unknown device profile 'pixel-99'"):
+        profile(tiny_folder, "pixel-99")
+    with pytest.raises(RuntimeLoadError, match="no model.onnx"):
+        profile(tmp_path, "cpu-host")
+    with pytest.raises(GenerationError, match="max_length=512"):
+        profile(tiny_folder, "cpu-host", prompt_len=500, gen_len=100)
+    with pytest.raises(GenerationError, match="repeat"):
+        profile(tiny_folder, "cpu-host", repeat=0)
