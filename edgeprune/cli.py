@@ -1,0 +1,381 @@
+"""The ``edgeprune`` command line (click). It parses options and calls the Python API.
+
+Verbs: ``run`` (the main job), ``compress``, ``eval``, ``export``, ``generate``,
+``profile``, ``devices``. Every verb that measures something takes ``--json PATH``.
+Errors print one line (``error: ... (fix: ...)``) and exit with code 2; nothing
+half-written is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import click
+
+from runtime.errors import EdgePruneError, ConfigError
+
+METHODS = ["magnitude", "wanda", "sparsegpt", "rtn", "gptq", "awq"]
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=False, highlight=False)
+
+
+def _write_json(path: Optional[str], data: Any) -> None:
+    if not path:
+        return
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, p)
+
+
+def _parse_pattern(pattern: Optional[str]) -> tuple[Optional[int], Optional[int]]:
+    if not pattern:
+        return None, None
+    try:
+        n, m = (int(x) for x in pattern.split(":"))
+    except ValueError:
+        raise ConfigError(f"--pattern {pattern!r} is not N:M", "use e.g. --pattern 2:4") from None
+    return n, m
+
+
+def _table(title: str, columns: list[str], rows: list[list[Any]]):
+    from rich.table import Table
+
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c, justify="right" if c != columns[0] else "left")
+    for r in rows:
+        t.add_row(*[_fmt(v) for v in r])
+    return t
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:,.4f}" if abs(v) < 10 else f"{v:,.1f}"
+    return str(v)
+
+
+def method_options(f):
+    """Options shared by ``run`` and ``compress``."""
+    opts = [
+        click.option("--method", type=click.Choice(METHODS), default=None,
+                     help="Compression method (default for run: gptq int4 g64)."),
+        click.option("--recipe", type=click.Path(dir_okay=False), default=None,
+                     help="TOML/YAML recipe chaining methods (overrides --method)."),
+        click.option("--bits", type=int, default=None, help="Quantization bits: 2, 3, 4 or 8."),
+        click.option("--group-size", type=int, default=None, help="Quantization group size (-1 = per row)."),
+        click.option("--sym/--asym", default=None, help="Symmetric or asymmetric grid."),
+        click.option("--sparsity", type=float, default=None, help="Unstructured sparsity in [0, 1)."),
+        click.option("--pattern", default=None, help="N:M sparsity, e.g. 2:4 (prune_n:prune_m)."),
+        click.option("--calib", default=None,
+                     help="Calibration text: .txt/.jsonl/.parquet file or hf:NAME (default: embedded text)."),
+        click.option("--nsamples", type=int, default=None, help="Calibration windows."),
+        click.option("--seqlen", type=int, default=512, show_default=True, help="Tokens per calibration window."),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--device", default="cpu", show_default=True, help="cpu or cuda."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+@click.group(context_settings=dict(help_option_names=["-h", "--help"]))
+@click.version_option(package_name="edgeprune")
+def cli():
+    """edgeprune: compress, export, run and profile small language models on device."""
+
+
+@cli.command("run")
+@click.option("--model", default="smollm2-135m", show_default=True,
+              help="Alias, .gguf file, HF folder or hub id.")
+@method_options
+@click.option("--eval-text", default=None, help="Evaluation text file (default: embedded held-out text).")
+@click.option("--eval-nwindows", type=int, default=40, show_default=True)
+@click.option("--threads", type=int, default=2, show_default=True)
+@click.option("--prompt-len", type=int, default=128, show_default=True)
+@click.option("--gen-len", type=int, default=128, show_default=True)
+@click.option("--repeat", type=int, default=3, show_default=True)
+@click.option("--out", "out_dir", default="runs/demo", show_default=True, help="Output folder.")
+@click.option("--overwrite", is_flag=True, help="Replace an output folder holding a different run.")
+@click.option("--json", "json_path", default=None, help="Also write the report to this JSON file.")
+def run_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, calib, nsamples, seqlen,
+            seed, device, eval_text, eval_nwindows, threads, prompt_len, gen_len, repeat, out_dir,
+            overwrite, json_path):
+    """The main job: compress, evaluate, export, run and report on one model."""
+    from .pipeline import RunConfig, run_pipeline
+
+    pn, pm = _parse_pattern(pattern)
+    cfg = RunConfig(model=model, method=method, recipe=recipe, bits=bits, group_size=group_size, sym=sym,
+                    sparsity=sparsity, prune_n=pn, prune_m=pm, calib=calib, nsamples=nsamples or 64,
+                    seqlen=seqlen, seed=seed, eval_text=eval_text, eval_nwindows=eval_nwindows,
+                    threads=threads, prompt_len=prompt_len, gen_len=gen_len, repeat=repeat, device=device)
+    con = _console()
+    rep = run_pipeline(cfg, out_dir, overwrite=overwrite, log=lambda m: con.print(m))
+    rows = [[k, v.get("dense"), v.get("compressed")] for k, v in rep.rows.items()]
+    con.print(_table(f"{model}: dense vs compressed ({rep.compression.get('recipe', {}).get('name', '')})",
+                     ["metric", "dense", "compressed"], rows))
+    for k, s in rep.samples.items():
+        con.print(f"[bold]{k} sample:[/bold] {s}")
+    con.print(f"report: {Path(rep.out_dir) / 'report.md'} and report.json "
+              f"(total {rep.seconds.get('total', 0):.0f} s)")
+    _write_json(json_path, rep.to_dict())
+
+
+@cli.command("compress")
+@click.argument("model")
+@method_options
+@click.option("--out", "out_dir", required=True, help="Checkpoint folder to write.")
+@click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "dense"]),
+              default="compressed-tensors", show_default=True)
+@click.option("--overwrite", is_flag=True)
+@click.option("--json", "json_path", default=None, help="Write the compression summary here.")
+def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, calib, nsamples, seqlen,
+                 seed, device, out_dir, fmt, overwrite, json_path):
+    """Compress MODEL with a method or recipe and save a checkpoint."""
+    from . import checkpoint as ckpt
+    from .calibration import build_calibration
+    from .engine import compress
+    from .models import load_model
+    from .pipeline import RunConfig, build_recipe
+
+    if not method and not recipe:
+        raise ConfigError("no compression method given", f"pass --method ({', '.join(METHODS)}) or --recipe FILE")
+    pn, pm = _parse_pattern(pattern)
+    cfg = RunConfig(model=model, method=method, recipe=recipe, bits=bits, group_size=group_size, sym=sym,
+                    sparsity=sparsity, prune_n=pn, prune_m=pm, calib=calib, nsamples=nsamples or 128,
+                    seqlen=seqlen, seed=seed)
+    rec = build_recipe(cfg)
+    rec.validate()
+    outp = Path(out_dir)
+    if outp.exists() and (not outp.is_dir() or any(outp.iterdir())) and not overwrite:
+        raise EdgePruneError(f"output folder {out_dir} already exists and is not empty",
+                             "choose another --out, or pass --overwrite to replace it")
+    con = _console()
+    m, tok, src = load_model(model, return_source=True, device=device)
+    cal = build_calibration(tok, calib, nsamples=cfg.nsamples, seqlen=seqlen, seed=seed,
+                            model_max_length=getattr(m.config, "max_position_embeddings", None))
+    res = compress(m, rec, cal.input_ids, device=device)
+    res.calibration = cal.info
+    if res.quantized and fmt == "dense":
+        con.print("note: --format dense stores dequantized floats; integer codes are not kept")
+    path = ckpt.save_checkpoint(m, tok, res, out_dir, format=fmt, overwrite=overwrite,
+                                provenance=dict(method=rec.to_dict(), source=src.to_dict(),
+                                                calibration=cal.info, seed=seed))
+    summ = res.summary()
+    con.print(f"compressed {model} with {rec.to_dict()} in {res.seconds:.1f} s -> {path}")
+    if summ.get("avg_bits_per_weight"):
+        con.print(f"average bits per weight (scales included): {summ['avg_bits_per_weight']:.3f}")
+    if res.fallbacks:
+        con.print("fallbacks: " + "; ".join(res.fallbacks))
+    _write_json(json_path, summ)
+
+
+@cli.command("eval")
+@click.argument("model")
+@click.option("--text", default=None, help="Text file (default: embedded held-out text).")
+@click.option("--seqlen", type=int, default=512, show_default=True)
+@click.option("--nwindows", type=int, default=40, show_default=True, help="0 = the whole text.")
+@click.option("--dense", "dense_ref", default=None, help="Reference model for KL / top-1 agreement.")
+@click.option("--threads", type=int, default=None)
+@click.option("--json", "json_path", default=None)
+def eval_cmd(model, text, seqlen, nwindows, dense_ref, threads, json_path):
+    """Perplexity of MODEL (alias, .gguf, HF folder, checkpoint or ONNX export folder)."""
+    from .evaluate import fidelity, perplexity
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    nw = None if nwindows == 0 else nwindows
+    m, tok = _load_any(model, threads)
+    con = _console()
+    if dense_ref:
+        d, _ = _load_any(dense_ref, threads)
+        r = fidelity(d, m, tok, text, seqlen=seqlen, nwindows=nw)
+        rows = [["perplexity", r.ppl], ["dense perplexity", r.ppl_dense], ["KL(dense||model) nats/token", r.kl],
+                ["top-1 agreement", r.top1_agree]]
+        out = r.to_dict()
+        proto = r.protocol
+    else:
+        r = perplexity(m, tok, text, seqlen=seqlen, nwindows=nw)
+        rows = [["perplexity", r.ppl], ["NLL nats/token", r.nll]]
+        out = r.to_dict()
+        proto = r.protocol
+    out["model"] = model
+    con.print(_table(f"{model}", ["metric", "value"], rows))
+    con.print(f"protocol: {proto.text_source} (sha256 {proto.text_sha256[:12]}…), no BOS, "
+              f"{proto.nwindows} x {proto.seqlen} tokens, {proto.ntokens_scored} scored")
+    _write_json(json_path, out)
+
+
+def _load_any(source: str, threads=None):
+    """A torch model, or an ONNX export folder wrapped as a logits function."""
+    p = Path(source)
+    if p.is_dir() and (p / "model.onnx").is_file() and (p / "edgeprune.json").is_file():
+        import numpy as np
+        from transformers import PreTrainedTokenizerFast
+
+        import runtime
+
+        sess = runtime.load(p, threads=threads)
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(p / "tokenizer.json"))
+
+        def fn(ids):
+            return sess.logits(np.asarray(ids, dtype=np.int64))
+
+        return fn, tok
+    from .models import load_model
+
+    return load_model(source)
+
+
+@cli.command("export")
+@click.argument("checkpoint")
+@click.argument("out")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "int4"]), default=None,
+              help="Default: int4 for quantized checkpoints, fp32 otherwise.")
+@click.option("--sparse-24", is_flag=True, help="Require and record an exact 2:4 pattern.")
+@click.option("--compact-24", is_flag=True, help="Store 2:4 weights as values + 2-bit positions.")
+@click.option("--graph", type=click.Choice(["fused", "plain"]), default="fused", show_default=True)
+@click.option("--lm-head", type=click.Choice(["fp", "q8", "int4"]), default=None,
+              help="lm_head precision (default q8 for int4 exports).")
+@click.option("--accuracy-level", type=int, default=4, show_default=True)
+@click.option("--group-size", type=int, default=64, show_default=True,
+              help="RTN group size for weights quantized at export (no codes in the checkpoint).")
+@click.option("--max-length", type=int, default=None)
+@click.option("--overwrite", is_flag=True)
+@click.option("--json", "json_path", default=None)
+def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head, accuracy_level,
+               group_size, max_length, overwrite, json_path):
+    """Export CHECKPOINT (checkpoint, HF folder, .gguf or alias) to an ONNX folder OUT."""
+    import exporters
+
+    from . import checkpoint as ckpt
+    from .models import load_model
+
+    p = Path(checkpoint)
+    quantized, sparsity, prov = None, None, {"source": checkpoint}
+    if p.is_dir() and ckpt.is_edgeprune_checkpoint(p):
+        model, tok, info = ckpt.load_checkpoint(p)
+        quantized = info.quantized or None
+        if info.sparsity_pattern:
+            sparsity = {"pattern": sorted(set(info.sparsity_pattern.values()))}
+        prov.update(checkpoint=str(p.resolve()), compression=info.provenance)
+    else:
+        model, tok = load_model(checkpoint)
+    precision = precision or ("int4" if quantized else "fp32")
+    res = exporters.export_onnx(model, tok, out, precision=precision, quantized=quantized, sparsity=sparsity,
+                                sparse_24=sparse_24, compact_24=compact_24, graph=graph, lm_head=lm_head,
+                                accuracy_level=accuracy_level, group_size=group_size, max_length=max_length,
+                                provenance=prov, overwrite=overwrite)
+    _console().print(res.summary())
+    _write_json(json_path, dict(folder=str(res.folder), files=res.files, parity=res.parity, timings=res.timings))
+
+
+@cli.command("generate")
+@click.argument("folder")
+@click.argument("prompt")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-k", type=int, default=0)
+@click.option("--top-p", type=float, default=1.0)
+@click.option("--repetition-penalty", type=float, default=1.0)
+@click.option("--seed", type=int, default=None)
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Render with the chat template.")
+@click.option("--threads", type=int, default=None)
+def generate_cmd(folder, prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, chat,
+                 threads):
+    """Stream a completion of PROMPT from an exported FOLDER (runtime only, no torch)."""
+    import runtime
+
+    with runtime.load(folder, threads=threads) as sess:
+        for piece in sess.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, chat=chat):
+            click.echo(piece, nl=False)
+    click.echo()
+
+
+@cli.command("profile")
+@click.argument("folder")
+@click.option("--device", "device_name", default="cpu-host", show_default=True,
+              help="Device profile name (see `edgeprune devices`).")
+@click.option("--prompt-len", type=int, default=128, show_default=True)
+@click.option("--gen-len", type=int, default=128, show_default=True)
+@click.option("--repeat", type=int, default=5, show_default=True)
+@click.option("--sweep", is_flag=True, help="Also sweep context lengths and draw a PNG.")
+@click.option("--target", "targets", multiple=True, help="Profiles to project to (repeatable).")
+@click.option("--out", "out_dir", default=None, help="Folder for the plot and Markdown report.")
+@click.option("--json", "json_path", default=None)
+def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets, out_dir, json_path):
+    """Measure latency and memory of an exported FOLDER under a device profile."""
+    from runtime.profiler import profile
+
+    rep = profile(folder, device_name, prompt_len=prompt_len, gen_len=gen_len, repeat=repeat,
+                  sweep=True if sweep else None, targets=list(targets) or None, out_dir=out_dir)
+    md = rep.to_markdown()
+    _console().print(md)
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "profile.md").write_text(md)
+    if json_path:
+        rep.to_json(json_path)
+
+
+@cli.command("devices")
+@click.option("--json", "json_path", default=None)
+def devices_cmd(json_path):
+    """List the device profiles (devices/profiles/*.toml)."""
+    import devices
+
+    profs = devices.list_profiles()
+    rows = []
+    for p in profs:
+        d = p.to_dict()
+        rows.append([d["name"], d["device_class"], d["execution_provider"].replace("ExecutionProvider", ""),
+                     d["threads"], round(d["memory_budget_bytes"] / 2**20),
+                     d["bandwidth_gbs"] or "measured", d["peak_fp32_gflops"] or "measured",
+                     d["peak_int8_gops"] or "measured"])
+    _console().print(_table("device profiles (figures and their sources: devices/profiles/*.toml)",
+                            ["name", "class", "provider", "threads", "memory budget MiB",
+                             "bandwidth GB/s", "fp32 GFLOP/s", "int8 GOP/s"], rows))
+    _write_json(json_path, [p.to_dict() for p in profs])
+
+
+def main(argv=None) -> int:
+    """Console entry point: runs the click group, turning edgeprune errors into one line."""
+    try:
+        cli.main(args=argv, prog_name="edgeprune", standalone_mode=False)
+        return 0
+    except EdgePruneError as exc:
+        click.echo(f"error: {exc}", err=True)
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except KeyboardInterrupt:
+        click.echo("interrupted; partial outputs were removed", err=True)
+        return 130
+    except Exception as exc:  # noqa: BLE001 -- last resort: one line, not a torch traceback
+        if os.environ.get("EDGEPRUNE_DEBUG"):
+            raise
+        click.echo(f"internal error: {type(exc).__name__}: {exc} (set EDGEPRUNE_DEBUG=1 for the traceback "
+                   "and report it)", err=True)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""The main job: compress -> evaluate -> save -> export -> run -> report, in one call.
+
+:func:`run_pipeline` is what ``edgeprune run`` (and ``make demo``) calls. With no
+arguments it takes the built-in ``smollm2-135m``, compresses it with
+:data:`DEFAULT_METHOD` calibrated on the embedded default text, evaluates dense and
+compressed models on the embedded held-out text (perplexity *and* fidelity: KL and
+top-1 agreement, as the pruning-vs-quantization study recommends), saves a
+``compressed-tensors`` checkpoint, exports both models to ONNX (dense fp32 and the
+compressed one, int4 ``MatMulNBits`` when quantized), measures each in a fresh
+runtime process (time to first token, decode tokens/s, peak RSS) and writes
+``report.json`` + ``report.md`` into the output folder.
+
+The output folder is written atomically: everything is built in a temporary sibling
+folder that is renamed at the end, so a failure leaves nothing half-written. An
+existing output folder holding a *different* run is refused unless ``overwrite``;
+re-running the same settings replaces it.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .errors import CheckpointError, ConfigError
+
+#: Default compression of the main job (see README for the measured trade-offs).
+DEFAULT_METHOD = dict(method="gptq", bits=4, group_size=64, sym=False)
+DEFAULT_PROMPT = "Explain in two sentences why small language models are useful on phones."
+
+
+@dataclass
+class RunConfig:
+    """Settings of one main-job run (all JSON-able; recorded in ``report.json``)."""
+
+    model: str = "smollm2-135m"
+    method: Optional[str] = None
+    recipe: Optional[str] = None
+    bits: Optional[int] = None
+    group_size: Optional[int] = None
+    sym: Optional[bool] = None
+    sparsity: Optional[float] = None
+    prune_n: Optional[int] = None
+    prune_m: Optional[int] = None
+    calib: Optional[str] = None
+    nsamples: int = 64
+    seqlen: int = 512
+    seed: int = 0
+    eval_text: Optional[str] = None
+    eval_seqlen: int = 512
+    eval_nwindows: Optional[int] = 40
+    threads: int = 2
+    prompt_len: int = 128
+    gen_len: int = 128
+    repeat: int = 3
+    device: str = "cpu"
+    prompt: str = DEFAULT_PROMPT
+
+    def method_settings(self) -> dict[str, Any]:
+        """The method name and its settings, falling back to :data:`DEFAULT_METHOD`."""
+        if self.recipe:
+            return {}
+        method = self.method or DEFAULT_METHOD["method"]
+        kw: dict[str, Any] = dict(bits=self.bits, group_size=self.group_size, sym=self.sym,
+                                  sparsity=self.sparsity, prune_n=self.prune_n, prune_m=self.prune_m)
+        if self.method is None:
+            for k, v in DEFAULT_METHOD.items():
+                if k != "method" and kw.get(k) is None:
+                    kw[k] = v
+        return dict(method=method, **{k: v for k, v in kw.items() if v is not None})
+
+    def fingerprint(self) -> str:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("threads", "repeat")}
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def build_recipe(cfg: RunConfig):
+    """The :class:`~edgeprune.recipe.Recipe` a run config asks for.
+
+    Raises:
+        ConfigError: unknown method or a setting the method does not take.
+    """
+    from .recipe import Recipe, method_config_from_name
+
+    if cfg.recipe:
+        return Recipe.from_file(cfg.recipe)
+    ms = cfg.method_settings()
+    name = ms.pop("method")
+    return Recipe(stages=[method_config_from_name(name, **ms)], name=name)
+
+
+def _check_out(out: Path, fingerprint: str, overwrite: bool) -> None:
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise CheckpointError(f"output path {out} exists and is not a folder", "choose another --out")
+    if not any(out.iterdir()):
+        return
+    rep = out / "report.json"
+    same = False
+    if rep.is_file():
+        try:
+            same = json.loads(rep.read_text()).get("fingerprint") == fingerprint
+        except (OSError, ValueError):
+            same = False
+    if not same and not overwrite:
+        raise CheckpointError(f"output folder {out} already holds a different run",
+                              "choose another --out, or pass --overwrite to replace it")
+
+
+def _profile(folder: Path, cfg: RunConfig) -> dict[str, Any]:
+    from runtime.profiler import profile
+
+    rep = profile(folder, "cpu-host", prompt_len=cfg.prompt_len, gen_len=cfg.gen_len,
+                  repeat=cfg.repeat, targets=[])
+    m = rep.measured
+    return dict(ttft_ms=m["ttft_ms"]["median"], decode_tok_s=m["decode_tok_s"]["median"],
+                decode_tok_s_p90=m["decode_tok_s"]["p90"], prefill_tok_s=m["prefill_tok_s"]["median"],
+                peak_rss_mb=m["peak_rss_bytes"] / 2**20, weights_mb=m["weights_bytes"] / 2**20,
+                ran_on=rep.ran_on)
+
+
+def _sample(folder: Path, prompt: str, threads: int, max_new_tokens: int = 48) -> str:
+    import runtime
+    from runtime.errors import GenerationError
+
+    with runtime.load(folder, threads=threads) as sess:
+        try:
+            res = sess.generate(prompt, max_new_tokens=max_new_tokens, chat=True)
+        except GenerationError:  # the tokenizer has no chat template: plain prompt
+            res = sess.generate(prompt, max_new_tokens=max_new_tokens)
+    return " ".join(res.text.split())
+
+
+def _file_mb(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.glob("model.onnx*")) / 2**20
+
+
+@dataclass
+class RunReport:
+    """What :func:`run_pipeline` measured (also written as ``report.json``/``report.md``)."""
+
+    out_dir: str
+    config: dict
+    fingerprint: str
+    rows: dict = field(default_factory=dict)   # metric -> {"dense": v, "compressed": v}
+    samples: dict = field(default_factory=dict)
+    compression: dict = field(default_factory=dict)
+    protocol: dict = field(default_factory=dict)
+    export: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def to_markdown(self) -> str:
+        """The report table as Markdown."""
+        lines = [f"# edgeprune run: {self.config['model']}", "",
+                 f"Compression: `{json.dumps(self.compression.get('recipe'))}` "
+                 f"({self.compression.get('seconds', 0):.1f} s)", "",
+                 "| metric | dense | compressed | ratio |", "|---|---|---|---|"]
+        for metric, v in self.rows.items():
+            d, c = v.get("dense"), v.get("compressed")
+            ratio = f"{c / d:.3f}" if isinstance(d, (int, float)) and isinstance(c, (int, float)) and d else "—"
+            lines.append(f"| {metric} | {_fmt(d)} | {_fmt(c)} | {ratio} |")
+        p = self.protocol
+        lines += ["", f"Perplexity protocol: {p.get('text_source')} (sha256 {str(p.get('text_sha256'))[:12]}…), "
+                      f"no BOS, {p.get('nwindows')} windows x {p.get('seqlen')} tokens, "
+                      f"{p.get('ntokens_scored')} tokens scored.",
+                  f"Speed: batch 1, prompt {self.config['prompt_len']} tokens, {self.config['gen_len']} new tokens, "
+                  f"greedy, {self.config['threads']} threads, median of {self.config['repeat']} runs, each model in a fresh "
+                  "runtime process (onnxruntime, no torch).", "", "## Samples", ""]
+        for k, s in self.samples.items():
+            lines += [f"**{k}**: {s}", ""]
+        return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:,.4f}" if abs(v) < 10 else f"{v:,.1f}"
+    return str(v)
+
+
+def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "runs/demo", *,
+                 overwrite: bool = False, log: Callable[[str], None] = print,
+                 export_dense: bool = True) -> RunReport:
+    """Run the whole pipeline on one model and write ``report.json`` / ``report.md``.
+
+    Args:
+        cfg: :class:`RunConfig` (defaults: ``smollm2-135m``, GPTQ int4 g64 asym, 64x512
+            calibration windows of the embedded default text, held-out default text for
+            evaluation, 2 threads, prompt 128 / 128 new tokens).
+        out_dir: output folder; gets ``checkpoint/``, ``onnx-dense/``,
+            ``onnx-compressed/``, ``report.json``, ``report.md``.
+        overwrite: replace an output folder that holds a different run.
+        log: progress messages (one line each).
+        export_dense: also export and measure the dense model (the table's "dense" column
+            for size and speed).
+
+    Returns:
+        :class:`RunReport`.
+
+    Raises:
+        EdgePruneError subclasses: bad settings, unloadable model, too little text,
+        an output folder holding another run.
+    """
+    import torch
+
+    from . import checkpoint as ckpt
+    from .calibration import build_calibration
+    from .engine import compress
+    from .evaluate import fidelity
+    from .models import load_model
+
+    import exporters
+
+    cfg = cfg or RunConfig()
+    out = Path(out_dir).expanduser().resolve()
+    fp = cfg.fingerprint()
+    _check_out(out, fp, overwrite)
+    recipe = build_recipe(cfg)
+    recipe.validate()
+    torch.set_num_threads(max(1, cfg.threads))
+    t_all = time.perf_counter()
+    secs: dict[str, float] = {}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        t = time.perf_counter()
+        log(f"[1/6] loading {cfg.model}")
+        dense, tok, src = load_model(cfg.model, return_source=True, device=cfg.device)
+        secs["load"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        log(f"[2/6] calibration: {cfg.nsamples} x {cfg.seqlen} tokens from {cfg.calib or 'the embedded default text'}")
+        cal = build_calibration(tok, cfg.calib, nsamples=cfg.nsamples, seqlen=cfg.seqlen, seed=cfg.seed,
+                                model_max_length=getattr(dense.config, "max_position_embeddings", None))
+        model = copy.deepcopy(dense)
+        log(f"      compressing with {recipe.to_dict()}")
+        result = compress(model, recipe, cal.input_ids, device=cfg.device, progress=True)
+        result.calibration = cal.info
+        secs["compress"] = result.seconds or (time.perf_counter() - t)
+
+        t = time.perf_counter()
+        log("[3/6] evaluating dense vs compressed (perplexity, KL, top-1 agreement)")
+        fid = fidelity(dense, model, tok, cfg.eval_text, seqlen=cfg.eval_seqlen, nwindows=cfg.eval_nwindows)
+        secs["evaluate"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        log("[4/6] saving the compressed checkpoint (compressed-tensors)")
+        prov = dict(method=recipe.to_dict(), source=src.to_dict(), calibration=cal.info, seed=cfg.seed)
+        fmt = "compressed-tensors" if result.quantized else "dense"
+        ckpt.save_checkpoint(model, tok, result, tmp / "checkpoint", format=fmt, provenance=prov)
+        secs["save"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        log("[5/6] exporting to ONNX")
+        exports = {}
+        precision = "int4" if result.quantized else "fp32"
+        sparse24 = bool(result.sparsity_pattern) and all(p == "2:4" for p in result.sparsity_pattern.values())
+        exports["compressed"] = exporters.export_onnx(
+            model, tok, tmp / "onnx-compressed", precision=precision, quantized=result.quantized or None,
+            sparsity={"pattern": sorted(set(result.sparsity_pattern.values()))} if result.masks else None,
+            sparse_24=sparse24, provenance=prov)
+        if export_dense:
+            exports["dense"] = exporters.export_onnx(dense, tok, tmp / "onnx-dense", precision="fp32",
+                                                     provenance=dict(source=src.to_dict()))
+        secs["export"] = time.perf_counter() - t
+        del dense, model
+
+        t = time.perf_counter()
+        log(f"[6/6] measuring in the runtime ({cfg.threads} threads, prompt {cfg.prompt_len}, {cfg.gen_len} new tokens)")
+        speed, samples = {}, {}
+        for kind, ex in exports.items():
+            speed[kind] = _profile(ex.folder, cfg)
+            samples[kind] = _sample(ex.folder, cfg.prompt, cfg.threads)
+        secs["runtime"] = time.perf_counter() - t
+        secs["total"] = time.perf_counter() - t_all
+
+        rows = {
+            "perplexity": dict(dense=fid.ppl_dense, compressed=fid.ppl),
+            "KL(dense||compressed) nats/token": dict(dense=0.0, compressed=fid.kl),
+            "top-1 agreement": dict(dense=1.0, compressed=fid.top1_agree),
+            "model file (MB)": {k: _file_mb(ex.folder) for k, ex in exports.items()},
+            "time to first token (ms)": {k: v["ttft_ms"] for k, v in speed.items()},
+            "decode tokens/s": {k: v["decode_tok_s"] for k, v in speed.items()},
+            "peak RSS (MB)": {k: v["peak_rss_mb"] for k, v in speed.items()},
+        }
+        report = RunReport(
+            out_dir=str(out), config=dict(cfg.__dict__), fingerprint=fp, rows=rows, samples=samples,
+            compression={k: v for k, v in result.summary().items() if k not in ("layer_errors", "quantized")},
+            protocol=fid.protocol.to_dict(),
+            export={k: dict(ex.parity, file_mb=_file_mb(ex.folder), timings=ex.timings) for k, ex in exports.items()},
+            seconds=secs)
+        report.speed = speed  # type: ignore[attr-defined]
+        (tmp / "report.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
+        (tmp / "report.md").write_text(report.to_markdown())
+        # Rewrite the export folders' recorded paths to the final location.
+        for ex in exports.values():
+            ex.folder = out / ex.folder.name
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+        report.out_dir = str(out)
+        return report
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+__all__ = ["RunConfig", "RunReport", "run_pipeline", "build_recipe", "DEFAULT_METHOD"]
