@@ -164,6 +164,8 @@ def _capture_block_inputs(model, blocks, calib_ids, attention_mask, batch_size, 
                     "the model's forward never reached its first decoder block",
                     "use a llama/qwen2-style causal LM")
             hidden, kwargs = captured[-1]
+            if not bool(tokmask.all()):
+                hidden = hidden.masked_fill(~tokmask.unsqueeze(-1), 0.0)
             batches.append([hidden, kwargs, tokmask])
     finally:
         h.remove()
@@ -171,10 +173,17 @@ def _capture_block_inputs(model, blocks, calib_ids, attention_mask, batch_size, 
 
 
 def _run_block(block, batches):
-    """Replace each batch's hidden states by the block's output."""
+    """Replace each batch's hidden states by the block's output.
+
+    Padded positions are reset to zero so that nothing non-finite computed there (a
+    fully masked attention row) can leak into real tokens through ``0 * NaN``.
+    """
     for b in batches:
         out = block(b[0], **b[1])
-        b[0] = out[0] if isinstance(out, (tuple, list)) else out
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        if not bool(b[2].all()):
+            out = out.masked_fill(~b[2].unsqueeze(-1), 0.0)
+        b[0] = out
 
 
 class _StatsCollector:

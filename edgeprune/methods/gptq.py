@@ -123,7 +123,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
                 s, z = static_s[:, g:g + 1].squeeze(1), static_z[:, g:g + 1].squeeze(1)
             elif gs < cols and col % gs == 0:
                 g = col // gs
-                seg = W1[:, i:i + gs] if i + gs <= count else torch.cat([W1[:, i:], W[:, i2:col + gs]], 1)
+                seg = W1[:, i:i + gs] if i + gs <= count else torch.cat([W1[:, i:], W[:, i2:col + gs] - Err1[:, :i] @ U[i1:col, i2:col + gs]], 1)
                 if mask is not None:
                     seg = seg * mask[:, col:col + gs]
                 s2, z2 = qparams(seg, bits, sym)

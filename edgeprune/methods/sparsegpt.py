@@ -117,7 +117,7 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, *, sparsity: float = 0.5, 
             if quant:
                 if col % gs == 0:
                     g = col // gs
-                    seg = W1[:, i:i + gs] if i + gs <= count else torch.cat([W1[:, i:], W[:, i2:col + gs]], 1)
+                    seg = W1[:, i:i + gs] if i + gs <= count else torch.cat([W1[:, i:], W[:, i2:col + gs] - Err1[:, :i] @ U[i1:col, i2:col + gs]], 1)
                     known = P1[:, i:i + gs] if i + gs <= count else torch.cat(
                         [P1[:, i:], torch.zeros(out, col + gs - i2, dtype=torch.bool)], 1)
                     s2, z2 = qparams(torch.where(known, torch.zeros_like(seg), seg), bits, sym)
