@@ -1,0 +1,849 @@
+"""LeanK: static key-channel pruning of the KV cache (Zhang et al., "LeanK: Learnable K
+Cache Channel Pruning for Efficient Decoding", EMNLP 2025).
+
+What is pruned
+    Per layer and KV head, a static mask over the ``head_dim`` channels of the keys
+    *after* rotary embedding. Queries are rotated in full; only their kept channels meet
+    the kept key channels. With GQA the query heads of a group share their KV head's
+    mask. The first ``sink`` tokens (attention sinks) and the most recent ``window``
+    tokens keep full keys; only the middle of the cache is pruned. A KV head whose
+    channels all go ("dead" head) attends only to its sink + window tokens, so its middle
+    V cache is dropped too. Attention scores keep the ``1/sqrt(head_dim)`` scale.
+
+    For a query at position ``p`` and a key at position ``j <= p`` of KV head ``h``::
+
+        score = q_p . k_j / sqrt(D)                     if j < sink or j > p - window
+        score = (q_p * s_h)[kept_h] . k_j[kept_h] / sqrt(D)   otherwise (-inf if h is dead)
+
+    where ``s_h`` are the per-channel scales learned in stage 2 (1 for the magnitude mask).
+    This per-query rule is exactly what a decoder sees token after token, so prefill
+    perplexity under the rule equals the perplexity of decoding with a LeanK cache.
+
+Defaults (:data:`DEFAULT_SINK` = 64, :data:`DEFAULT_WINDOW` = 448): sink + window = 512
+    tokens, as the issue's protocol asks (at 512-token windows nothing is pruned; at 2,048
+    the last query sees 1,536 pruned middle tokens). LeanK itself keeps a few sink tokens
+    and a recent window of a few hundred tokens; a 135M model with 64-dim heads has little
+    key redundancy to spare, so a wide window protects local syntax, which is what
+    perplexity mostly measures; the middle is where long contexts spend their bytes.
+
+How the mask is chosen (:func:`learn_mask`)
+    * ``method="learned"`` (LeanK's two stages): stage 1 trains per-channel scales
+      ``alpha in [0, 1]`` (init 1) applied to the pruned-region query channels, with the
+      model frozen, by distillation of the dense model's final hidden states (L2 loss,
+      normalised by their variance) plus ``l1 * mean(alpha)``; stage 2 keeps the
+      ``k_keep`` fraction of channels with the largest ``alpha`` (global quantile over all
+      layers and heads, in blocks of ``alignment`` channels so every head keeps a multiple
+      of ``alignment``), then fine-tunes the kept scales for a few steps with the binary
+      mask fixed (no L1).
+    * ``method="magnitude"`` (training-free baseline): importance of channel ``c`` of KV
+      head ``h`` is ``||q_c|| * ||k_c||`` over calibration tokens (q aggregated over the
+      group's query heads), normalised to each head's total, then the same global aligned
+      selection; kept scales are 1.
+
+Evaluation: :func:`long_perplexity` (2,048-token windows) and :func:`retrieval_eval`
+(a key-value fact at depths 0..100% of ~2,000 tokens of real text, asked at the end).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .errors import CalibrationError, CheckpointError, ConfigError
+
+DEFAULT_SINK = 64
+DEFAULT_WINDOW = 448
+DEFAULT_ALIGNMENT = 8
+ATTN_NAME = "edgeprune_leank"
+MASK_FORMAT = "edgeprune.leank.v1"
+
+__all__ = ["LeanKMask", "learn_mask", "learn_scales", "magnitude_scores", "select_channels",
+           "apply_reference", "long_perplexity", "retrieval_eval", "retrieval_prompts",
+           "check_leank_args", "kv_geometry", "DEFAULT_SINK", "DEFAULT_WINDOW",
+           "DEFAULT_ALIGNMENT"]
+
+
+# ------------------------------------------------------------------------------------------
+# argument checks and geometry
+# ------------------------------------------------------------------------------------------
+
+def check_leank_args(k_keep: Optional[float] = None, alignment: Optional[int] = None,
+                     head_dim: Optional[int] = None, sink: Optional[int] = None,
+                     window: Optional[int] = None, context: Optional[int] = None) -> None:
+    """Validate LeanK options; every argument is optional.
+
+    Raises:
+        ConfigError: ``k_keep`` outside (0, 1]; ``alignment`` < 1 or not dividing
+            ``head_dim``; negative ``sink``/``window``; ``sink + window`` larger than the
+            ``context`` (tokens) the model or evaluation uses.
+    """
+    if k_keep is not None:
+        if not isinstance(k_keep, (int, float)) or not (0.0 < float(k_keep) <= 1.0) \
+                or math.isnan(float(k_keep)):
+            raise ConfigError(f"k_keep={k_keep!r} is outside (0, 1]",
+                              "use e.g. --k-keep 0.3 to keep 30% of the key channels")
+    if alignment is not None:
+        if not isinstance(alignment, (int, np.integer)) or alignment < 1:
+            raise ConfigError(f"alignment={alignment!r} must be a positive integer",
+                              "use e.g. --alignment 8")
+        if head_dim is not None and head_dim % alignment:
+            raise ConfigError(f"alignment={alignment} does not divide head_dim={head_dim}",
+                              f"use a divisor of {head_dim} (e.g. 1, 2, 4, 8, 16)")
+    for name, v in (("sink", sink), ("window", window)):
+        if v is not None and (not isinstance(v, (int, np.integer)) or v < 0):
+            raise ConfigError(f"{name}={v!r} must be a non-negative integer",
+                              f"use e.g. --{name} {DEFAULT_SINK if name == 'sink' else DEFAULT_WINDOW}")
+    if context is not None and sink is not None and window is not None and sink + window > context:
+        raise ConfigError(f"sink + window = {sink + window} tokens exceed the context of "
+                          f"{context} tokens: nothing would be pruned",
+                          f"use sink + window < {context} (defaults: sink {DEFAULT_SINK}, "
+                          f"window {DEFAULT_WINDOW})")
+
+
+def kv_geometry(model) -> tuple[int, int, int, int]:
+    """``(num_layers, num_heads, num_kv_heads, head_dim)`` of an HF llama/qwen2 model."""
+    cfg = model.config
+    n = cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n
+    return cfg.num_hidden_layers, n, getattr(cfg, "num_key_value_heads", None) or n, d
+
+
+def _context_of(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
+
+
+# ------------------------------------------------------------------------------------------
+# the mask
+# ------------------------------------------------------------------------------------------
+
+@dataclass
+class LeanKMask:
+    """A static key-channel mask (+ per-channel scales) for every layer and KV head.
+
+    Attributes:
+        keep: ``[layer][kv_head] -> sorted list of kept channel indices`` (post-rotary
+            channel numbering, ``0 <= c < head_dim``; rotate-half layout as in HF).
+        scales: same nesting, one float per kept channel: the query channel multiplier
+            used in the pruned region (learned in stage 2; 1.0 for magnitude masks).
+        head_dim: channels per key head (``D``).
+        k_keep: the requested keep ratio in (0, 1].
+        alignment: every head keeps a multiple of this many channels.
+        method: ``"learned"`` | ``"magnitude"`` | ``"full"``.
+        meta: provenance (calibration, steps, losses, timings).
+    """
+
+    keep: list
+    scales: list
+    head_dim: int
+    k_keep: float
+    alignment: int = DEFAULT_ALIGNMENT
+    method: str = "learned"
+    meta: dict = field(default_factory=dict)
+
+    # -------------------------------------------------------------- geometry
+    @property
+    def num_layers(self) -> int:
+        return len(self.keep)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return len(self.keep[0]) if self.keep else 0
+
+    def counts(self) -> np.ndarray:
+        """Kept channels per (layer, KV head): ``int [layers, kv_heads]``."""
+        return np.array([[len(h) for h in layer] for layer in self.keep], dtype=np.int64)
+
+    @property
+    def fraction(self) -> float:
+        """Kept key channels / all key channels (the pruned-middle K-cache fraction)."""
+        c = self.counts()
+        return float(c.sum() / (c.size * self.head_dim))
+
+    def dead_heads(self, layer: int) -> list[int]:
+        """KV heads of ``layer`` with no kept channel (their middle V cache is dropped)."""
+        return [h for h, ch in enumerate(self.keep[layer]) if len(ch) == 0]
+
+    def v_fraction(self) -> float:
+        """Fraction of the middle V cache kept (1 - dead heads / all heads)."""
+        c = self.counts()
+        return float((c > 0).sum() / c.size)
+
+    def dense_scales(self, layer: int) -> np.ndarray:
+        """``float32 [kv_heads, head_dim]``: scale on kept channels, 0 on pruned ones."""
+        out = np.zeros((self.num_kv_heads, self.head_dim), np.float32)
+        for h, (ch, sc) in enumerate(zip(self.keep[layer], self.scales[layer])):
+            out[h, list(ch)] = sc
+        return out
+
+    def summary(self) -> str:
+        c = self.counts()
+        return (f"LeanK {self.method} mask: keep {self.fraction:.1%} of key channels "
+                f"(target {self.k_keep:g}, alignment {self.alignment}), per-head kept "
+                f"min {c.min()} / max {c.max()} of {self.head_dim}, "
+                f"{int((c == 0).sum())} dead heads (middle V dropped)")
+
+    # ------------------------------------------------------------ validation
+    def validate(self, num_layers: Optional[int] = None, num_kv_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None) -> "LeanKMask":
+        """Check the structure (and, optionally, that it matches a model).
+
+        Raises:
+            ConfigError: ragged/duplicate/out-of-range channels, scales of the wrong length,
+                a head count that is not a multiple of ``alignment``, or a mismatch with
+                the given model geometry.
+        """
+        check_leank_args(self.k_keep, self.alignment, self.head_dim)
+        if not self.keep or any(len(layer) != len(self.keep[0]) for layer in self.keep):
+            raise ConfigError("LeanK mask has no layers or a varying number of KV heads",
+                              "re-learn the mask with `edgeprune leank`")
+        for i, (lk, ls) in enumerate(zip(self.keep, self.scales)):
+            if len(lk) != len(ls):
+                raise ConfigError(f"LeanK mask layer {i}: scales and keep differ in heads",
+                                  "re-learn the mask")
+            for h, (ch, sc) in enumerate(zip(lk, ls)):
+                if len(ch) != len(sc) or len(set(ch)) != len(ch) or \
+                        any(not (0 <= int(c) < self.head_dim) for c in ch):
+                    raise ConfigError(f"LeanK mask layer {i} head {h}: bad channel list",
+                                      "re-learn the mask")
+                if len(ch) % self.alignment:
+                    raise ConfigError(f"LeanK mask layer {i} head {h} keeps {len(ch)} channels, "
+                                      f"not a multiple of alignment {self.alignment}",
+                                      "re-learn the mask with the alignment you export with")
+        for name, want, got in (("layers", num_layers, self.num_layers),
+                                ("KV heads", num_kv_heads, self.num_kv_heads),
+                                ("head_dim", head_dim, self.head_dim)):
+            if want is not None and want != got:
+                raise ConfigError(f"LeanK mask has {got} {name}, the model has {want}",
+                                  "use a mask learned on this model")
+        return self
+
+    def check_model(self, model) -> "LeanKMask":
+        """:meth:`validate` against ``model``'s geometry."""
+        L, _, KV, D = kv_geometry(model)
+        return self.validate(L, KV, D)
+
+    # -------------------------------------------------------------- (de)serialize
+    def to_dict(self) -> dict:
+        """JSON-ready dict (also the ``leank`` entry of ``edgeprune.json``)."""
+        return {"format": MASK_FORMAT, "method": self.method, "k_keep": float(self.k_keep),
+                "alignment": int(self.alignment), "head_dim": int(self.head_dim),
+                "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+                "kept_fraction": self.fraction, "v_fraction": self.v_fraction(),
+                "keep": [[[int(c) for c in h] for h in layer] for layer in self.keep],
+                "scales": [[[round(float(s), 6) for s in h] for h in layer]
+                           for layer in self.scales],
+                "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LeanKMask":
+        """Inverse of :meth:`to_dict`. Raises :class:`CheckpointError` on a foreign dict."""
+        if not isinstance(d, dict) or d.get("format") != MASK_FORMAT:
+            raise CheckpointError("not an edgeprune LeanK mask (missing format "
+                                  f"'{MASK_FORMAT}')", "pass a file written by LeanKMask.save")
+        try:
+            m = cls(keep=[[sorted(int(c) for c in h) for h in layer] for layer in d["keep"]],
+                    scales=[[[float(s) for s in h] for h in layer] for layer in d["scales"]],
+                    head_dim=int(d["head_dim"]), k_keep=float(d["k_keep"]),
+                    alignment=int(d.get("alignment", 1)), method=str(d.get("method", "?")),
+                    meta=dict(d.get("meta") or {}))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"corrupt LeanK mask: {e}", "re-learn the mask") from e
+        # sorting the channels must keep each scale with its channel
+        for i, layer in enumerate(d["keep"]):
+            for h, ch in enumerate(layer):
+                order = np.argsort(np.asarray(ch, dtype=np.int64), kind="stable")
+                m.scales[i][h] = [float(d["scales"][i][h][j]) for j in order]
+        return m.validate()
+
+    def save(self, path) -> Path:
+        """Write JSON atomically (temp file + rename); returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.to_dict(), f)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path) -> "LeanKMask":
+        """Read a mask saved by :meth:`save`.
+
+        Raises:
+            CheckpointError: missing/unreadable/foreign file.
+        """
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read LeanK mask {path}: {e}",
+                                  "learn one with `edgeprune leank MODEL --k-keep R -o mask.json`"
+                                  ) from e
+        return cls.from_dict(d)
+
+    @classmethod
+    def full(cls, num_layers: int, num_kv_heads: int, head_dim: int) -> "LeanKMask":
+        """The keep-everything mask (``k_keep=1``): LeanK reduces to dense attention."""
+        keep = [[list(range(head_dim)) for _ in range(num_kv_heads)] for _ in range(num_layers)]
+        return cls(keep=keep, scales=[[[1.0] * head_dim for _ in range(num_kv_heads)]
+                                      for _ in range(num_layers)],
+                   head_dim=head_dim, k_keep=1.0, alignment=1, method="full")
+
+
+# ------------------------------------------------------------------------------------------
+# budgeted, aligned, global channel selection
+# ------------------------------------------------------------------------------------------
+
+def select_channels(scores: np.ndarray, k_keep: float, alignment: int = DEFAULT_ALIGNMENT
+                    ) -> list:
+    """Keep the ``k_keep`` fraction of channels with the largest scores, globally.
+
+    Each head's channels are sorted by score and cut into blocks of ``alignment``; a
+    block's value is the mean score of its channels (non-increasing along the head), and
+    the ``round(k_keep * L * KV * D / alignment)`` best blocks over all heads and layers
+    are kept. Every head thus keeps a multiple of ``alignment`` channels (possibly 0)
+    and the total meets the budget exactly (to one block).
+
+    Args:
+        scores: ``float [layers, kv_heads, head_dim]`` channel importances (larger = keep).
+        k_keep: keep ratio in (0, 1].
+        alignment: channels per block; must divide ``head_dim``.
+
+    Returns:
+        ``keep[layer][kv_head]`` sorted channel lists.
+
+    Raises:
+        ConfigError: bad ``k_keep``/``alignment`` or non-finite scores.
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    if scores.ndim != 3:
+        raise ConfigError(f"scores must be [layers, kv_heads, head_dim], got {scores.shape}",
+                          "pass one score per channel")
+    L, KV, D = scores.shape
+    check_leank_args(k_keep, alignment, D)
+    if not np.isfinite(scores).all():
+        raise ConfigError("channel scores contain NaN/inf", "check the calibration run")
+    nb = D // alignment
+    units = int(round(float(k_keep) * L * KV * D / alignment))
+    order = np.argsort(-scores, axis=-1, kind="stable")                 # [L,KV,D]
+    srt = np.take_along_axis(scores, order, -1)
+    block_val = srt.reshape(L, KV, nb, alignment).mean(-1)              # [L,KV,nb]
+    # enforce non-increasing along the head so the global top-k takes prefixes
+    block_val = np.minimum.accumulate(block_val, axis=-1)
+    flat = block_val.reshape(-1)
+    # tie-break: earlier block of a head first (lexsort: last key primary)
+    idx = np.lexsort((np.tile(np.arange(nb), L * KV), -flat))[:units]
+    taken = np.zeros(L * KV * nb, bool)
+    taken[idx] = True
+    nblocks = taken.reshape(L, KV, nb).sum(-1)
+    keep = [[sorted(int(c) for c in order[i, h, :nblocks[i, h] * alignment])
+             for h in range(KV)] for i in range(L)]
+    return keep
+
+
+# ------------------------------------------------------------------------------------------
+# reference attention (torch): the exact function the export computes
+# ------------------------------------------------------------------------------------------
+
+def _leank_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     **kwargs):
+    """Attention with LeanK's per-query full/pruned regions (see module docstring).
+
+    ``query [B, N, S, D]`` and ``key/value [B, KV, T, D]`` are post-rotary; the ``S``
+    queries are the last ``S`` of the ``T`` positions (batch rows unpadded). Returns
+    ``(out [B, S, N, D], None)`` as HF attention functions do.
+    """
+    st = getattr(module, "_leank", None)
+    B, N, S, D = query.shape
+    KV, T = key.shape[1], key.shape[2]
+    rep = N // KV
+    if scaling is None:
+        scaling = D ** -0.5
+    k = key.repeat_interleave(rep, dim=1) if rep > 1 else key
+    v = value.repeat_interleave(rep, dim=1) if rep > 1 else value
+    dev = query.device
+    qpos = torch.arange(T - S, T, device=dev)
+    kpos = torch.arange(T, device=dev)
+    allowed = kpos[None, :] <= qpos[:, None]                              # [S,T]
+    if st is not None and "stats" in st:
+        stats = st["stats"]
+        with torch.no_grad():
+            q2 = query.float().pow(2).sum((0, 2)).view(KV, rep, D).sum(1)   # [KV,D]
+            k2 = key.float().pow(2).sum((0, 2))                             # [KV,D]
+            stats["q2"][module.layer_idx] += q2.cpu().double()
+            stats["k2"][module.layer_idx] += k2.cpu().double()
+        st = None
+    s = torch.matmul(query, k.transpose(2, 3)) * scaling                  # [B,N,S,T]
+    if st is not None:
+        scale = st["scale"].to(query.dtype)                               # [KV,D]
+        sc = scale.repeat_interleave(rep, dim=0) if rep > 1 else scale    # [N,D]
+        s_pr = torch.matmul(query * sc[None, :, None, :], k.transpose(2, 3)) * scaling
+        full = (kpos[None, :] < st["sink"]) | (kpos[None, :] > qpos[:, None] - st["window"])
+        dead = st["dead_q"]                                               # [N] bool
+        if dead is not None:
+            s_pr = s_pr.masked_fill(dead.to(dev)[None, :, None, None], float("-inf"))
+        s = torch.where(full[None, None], s, s_pr)
+    s = s.masked_fill(~allowed[None, None], float("-inf"))
+    if attention_mask is not None and attention_mask.dim() == 4:
+        am = attention_mask[..., :T]
+        s = s.masked_fill(~am, float("-inf")) if am.dtype == torch.bool else s + am
+    p = torch.softmax(s.float(), dim=-1)
+    p = torch.nan_to_num(p, nan=0.0).to(v.dtype)   # a dead head with no full-region key: 0
+    out = torch.matmul(p, v)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register():
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTN_NAME, _leank_attention)
+
+
+def _attn_modules(model):
+    layers = model.model.layers
+    return [layer.self_attn for layer in layers]
+
+
+@contextlib.contextmanager
+def _attention_state(model, states: Optional[Sequence[Optional[dict]]]):
+    """Route every attention module through :func:`_leank_attention` with ``states``."""
+    _register()
+    mods = _attn_modules(model)
+    old_impl = model.config._attn_implementation
+    try:
+        model.config._attn_implementation = ATTN_NAME
+        for i, m in enumerate(mods):
+            m._leank = None if states is None else states[i]
+        yield model
+    finally:
+        model.config._attn_implementation = old_impl
+        for m in mods:
+            if hasattr(m, "_leank"):
+                del m._leank
+
+
+def _states_from_scales(model, scales: Sequence[torch.Tensor], sink: int, window: int,
+                        dead: Optional[Sequence[Sequence[int]]] = None) -> list:
+    L, N, KV, D = kv_geometry(model)
+    rep = N // KV
+    out = []
+    for i in range(L):
+        dq = None
+        if dead is not None and len(dead[i]):
+            dh = torch.zeros(KV, dtype=torch.bool)
+            dh[list(dead[i])] = True
+            dq = dh.repeat_interleave(rep)
+        out.append({"scale": scales[i], "sink": int(sink), "window": int(window), "dead_q": dq})
+    return out
+
+
+@contextlib.contextmanager
+def apply_reference(model, mask: Optional[LeanKMask], sink: int = DEFAULT_SINK,
+                    window: int = DEFAULT_WINDOW):
+    """Context manager: ``model`` computes attention with the LeanK cache semantics.
+
+    Inside the block every forward pass (prefill or decoding with HF's cache) scores
+    pruned-region keys on the mask's kept channels only (scaled by the mask's scales),
+    full-region keys (first ``sink`` tokens, last ``window`` before each query) in full;
+    dead heads ignore their pruned region. ``mask=None`` gives dense attention through
+    the same code path. Batch rows must be unpadded (no attention_mask padding).
+
+    Args:
+        model: HF llama/qwen2 causal LM (fp32, eval).
+        mask: :class:`LeanKMask` matching the model, or ``None``.
+        sink, window: tokens kept with full keys at the start / before each query.
+
+    Raises:
+        ConfigError: the mask does not fit the model, or bad sink/window.
+
+    Example::
+
+        with apply_reference(model, mask, sink=64, window=448):
+            logits = model(ids).logits
+    """
+    check_leank_args(sink=sink, window=window)
+    if mask is None:
+        with _attention_state(model, None):
+            yield model
+        return
+    mask.check_model(model)
+    dev = next(model.parameters()).device
+    scales = [torch.from_numpy(mask.dense_scales(i)).to(dev) for i in range(mask.num_layers)]
+    states = _states_from_scales(model, scales, sink, window,
+                                 [mask.dead_heads(i) for i in range(mask.num_layers)])
+    with _attention_state(model, states):
+        yield model
+
+
+# ------------------------------------------------------------------------------------------
+# magnitude baseline
+# ------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def magnitude_scores(model, calib_ids: torch.Tensor, normalize: bool = True) -> np.ndarray:
+    """Training-free importance ``||q_c|| * ||k_c||`` per post-rotary key channel.
+
+    ``||q_c||`` is the L2 norm of channel ``c`` over all calibration tokens and the
+    group's query heads; ``||k_c||`` over the tokens of the KV head.
+
+    Args:
+        model: HF llama/qwen2 causal LM.
+        calib_ids: ``int64 [nsamples, seqlen]`` calibration windows.
+        normalize: divide each head's scores by their sum (so heads of layers with large
+            activations do not take the whole global budget).
+
+    Returns:
+        ``float64 [layers, kv_heads, head_dim]``.
+    """
+    L, N, KV, D = kv_geometry(model)
+    stats = {"q2": torch.zeros(L, KV, D, dtype=torch.float64),
+             "k2": torch.zeros(L, KV, D, dtype=torch.float64)}
+    dev = next(model.parameters()).device
+    with _attention_state(model, [{"stats": stats} for _ in range(L)]):
+        for row in _as_ids(calib_ids):
+            model(row[None].to(dev), use_cache=False)
+    sc = (stats["q2"].sqrt() * stats["k2"].sqrt()).numpy()
+    if normalize:
+        sc = sc / np.maximum(sc.sum(-1, keepdims=True), 1e-30)
+    return sc
+
+
+def _as_ids(calib_ids) -> torch.Tensor:
+    ids = calib_ids.input_ids if hasattr(calib_ids, "input_ids") else calib_ids
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 2:
+        raise CalibrationError(f"calibration ids must be [nsamples, seqlen >= 2], got "
+                               f"{tuple(ids.shape)}", "build them with build_calibration()")
+    return ids
+
+
+# ------------------------------------------------------------------------------------------
+# learned mask (LeanK two-stage training)
+# ------------------------------------------------------------------------------------------
+
+def _hidden(model, ids):
+    return model.model(input_ids=ids, use_cache=False).last_hidden_state
+
+
+def _distill(model, ids_all, scales, steps, lr, l1, sink, window, seqlen, seed, dead=None,
+             free=None, progress=False, log=None):
+    """Shared loop of both stages: Adam on ``scales`` (list of [KV, D] leaf tensors)."""
+    L = len(scales)
+    opt = torch.optim.Adam(scales, lr=lr)
+    rng = np.random.default_rng(seed)
+    n, S = ids_all.shape
+    seqlen = min(seqlen, S)
+    teach_cache: dict = {}
+    states = _states_from_scales(model, scales, sink, window, dead)
+    losses = []
+    from tqdm.auto import tqdm
+    for step in tqdm(range(steps), desc="leank", disable=not progress, leave=False):
+        r = int(rng.integers(n))
+        off = int(rng.integers(0, S - seqlen + 1))
+        ids = ids_all[r:r + 1, off:off + seqlen]
+        key = (r, off)
+        if key not in teach_cache:
+            with torch.no_grad(), _attention_state(model, None):
+                t = _hidden(model, ids)
+            teach_cache[key] = (t, t.var().clamp_min(1e-8))
+            if len(teach_cache) > 64:
+                teach_cache.pop(next(iter(teach_cache)))
+        t, var = teach_cache[key]
+        with _attention_state(model, states):
+            h = _hidden(model, ids)
+        mse = (h - t).pow(2).mean() / var
+        reg = torch.stack([s.abs().mean() for s in scales]).mean() if l1 else h.new_zeros(())
+        loss = mse + l1 * reg
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if free is not None:
+            for s, f in zip(scales, free):
+                s.grad.mul_(f)
+        opt.step()
+        with torch.no_grad():
+            for i, s in enumerate(scales):
+                s.clamp_(0.0, 1.0)
+                if free is not None:
+                    s.mul_(free[i])
+        losses.append(float(mse.detach()))
+        if log is not None and (step % 25 == 0 or step == steps - 1):
+            log(step, float(mse.detach()), float(reg.detach()))
+    return losses
+
+
+def learn_scales(model, calib_ids, *, steps: int = 200, lr: float = 0.02, l1: float = 0.1,
+                 seqlen: int = 256, train_sink: int = 4, train_window: int = 16,
+                 seed: int = 0, progress: bool = False) -> tuple[np.ndarray, dict]:
+    """LeanK stage 1: continuous channel scales ``alpha [layers, kv_heads, head_dim]``.
+
+    ``alpha`` (init 1, clamped to [0, 1]) multiplies the query channels that meet
+    pruned-region keys; the model is frozen. Loss: ``||h - h_dense||^2 / var(h_dense)``
+    on the final hidden states (L2 distillation) ``+ l1 * mean(|alpha|)``. Training
+    windows are short (``seqlen``) with a small ``train_sink``/``train_window`` so most
+    query-key pairs fall in the pruned region and carry gradient.
+
+    Returns:
+        ``(alpha float32 [L, KV, D], info)``; ``info`` has the loss curve summary and
+        the run's settings (stored in the mask's ``meta``).
+    """
+    ids = _as_ids(calib_ids)
+    L, N, KV, D = kv_geometry(model)
+    dev = next(model.parameters()).device
+    req = [p.requires_grad for p in model.parameters()]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(seed)
+    scales = [torch.ones(KV, D, device=dev, requires_grad=True) for _ in range(L)]
+    t0 = time.perf_counter()
+    try:
+        losses = _distill(model, ids, scales, steps, lr, l1, train_sink, train_window, seqlen,
+                          seed, progress=progress)
+    finally:
+        for p, r in zip(model.parameters(), req):
+            p.requires_grad_(r)
+    alpha = torch.stack([s.detach().cpu() for s in scales]).numpy().astype(np.float32)
+    info = {"stage1_steps": steps, "lr": lr, "l1": l1, "seqlen": seqlen,
+            "train_sink": train_sink, "train_window": train_window, "seed": seed,
+            "nsamples": int(ids.shape[0]),
+            "stage1_mse_first": float(np.mean(losses[:10])) if losses else None,
+            "stage1_mse_last": float(np.mean(losses[-10:])) if losses else None,
+            "stage1_s": round(time.perf_counter() - t0, 1)}
+    return alpha, info
+
+
+def learn_mask(model, calib_ids, k_keep: float, method: str = "learned",
+               alignment: int = DEFAULT_ALIGNMENT, *, scales: Optional[np.ndarray] = None,
+               steps: int = 200, finetune_steps: int = 50, lr: float = 0.02, l1: float = 0.1,
+               seqlen: int = 256, train_sink: int = 4, train_window: int = 16, seed: int = 0,
+               progress: bool = False) -> LeanKMask:
+    """Learn a static LeanK key-channel mask meeting the ``k_keep`` budget.
+
+    Args:
+        model: HF llama/qwen2 causal LM (fp32); frozen, restored on return.
+        calib_ids: ``int64 [nsamples, seqlen]`` (or a ``CalibrationSet``).
+        k_keep: fraction of key channels kept, in (0, 1] (average over layers and heads).
+        method: ``"learned"`` (LeanK two-stage training) or ``"magnitude"``
+            (``||q||*||k||`` baseline).
+        alignment: every head keeps a multiple of this many channels (must divide
+            ``head_dim``).
+        scales: precomputed stage-1 ``alpha [L, KV, D]`` (from :func:`learn_scales`) to
+            skip stage 1 (stage 1 does not depend on ``k_keep``).
+        steps, finetune_steps, lr, l1, seqlen, train_sink, train_window, seed: training
+            settings (see :func:`learn_scales`); ``finetune_steps`` is stage 2's masked
+            fine-tune of the kept scales.
+
+    Returns:
+        :class:`LeanKMask`.
+
+    Raises:
+        ConfigError: bad ``k_keep``/``alignment``/``method``.
+        CalibrationError: malformed calibration ids.
+    """
+    L, N, KV, D = kv_geometry(model)
+    check_leank_args(k_keep, alignment, D)
+    if method not in ("learned", "magnitude"):
+        raise ConfigError(f"method='{method}' is unknown", "use 'learned' or 'magnitude'")
+    ids = _as_ids(calib_ids)
+    t0 = time.perf_counter()
+    meta: dict[str, Any] = {"nsamples": int(ids.shape[0]), "calib_seqlen": int(ids.shape[1])}
+    if method == "magnitude":
+        sc = magnitude_scores(model, ids)
+        keep = select_channels(sc, k_keep, alignment)
+        mask = LeanKMask(keep=keep, scales=[[[1.0] * len(h) for h in layer] for layer in keep],
+                         head_dim=D, k_keep=float(k_keep), alignment=alignment,
+                         method="magnitude", meta=meta)
+        meta["learn_s"] = round(time.perf_counter() - t0, 1)
+        return mask
+    if scales is None:
+        scales, info = learn_scales(model, ids, steps=steps, lr=lr, l1=l1, seqlen=seqlen,
+                                    train_sink=train_sink, train_window=train_window, seed=seed,
+                                    progress=progress)
+        meta.update(info)
+    else:
+        scales = np.asarray(scales, dtype=np.float32)
+        if scales.shape != (L, KV, D):
+            raise ConfigError(f"stage-1 scales have shape {scales.shape}, expected {(L, KV, D)}",
+                              "learn them on this model with learn_scales()")
+        meta["stage1"] = "given (cached)"
+    keep = select_channels(scales, k_keep, alignment)
+    dev = next(model.parameters()).device
+    free = []
+    for i in range(L):
+        f = torch.zeros(KV, D, device=dev)
+        for h, ch in enumerate(keep[i]):
+            f[h, ch] = 1.0
+        free.append(f)
+    dead = [[h for h, ch in enumerate(keep[i]) if not ch] for i in range(L)]
+    params = [torch.tensor(scales[i], device=dev).mul_(free[i]).requires_grad_(True)
+              for i in range(L)]
+    if finetune_steps > 0 and float(k_keep) < 1.0:
+        req = [p.requires_grad for p in model.parameters()]
+        for p in model.parameters():
+            p.requires_grad_(False)
+        try:
+            ft = _distill(model, ids, params, finetune_steps, lr, 0.0, train_sink, train_window,
+                          seqlen, seed + 1, dead=dead, free=free, progress=progress)
+        finally:
+            for p, r in zip(model.parameters(), req):
+                p.requires_grad_(r)
+        meta["stage2_steps"] = finetune_steps
+        meta["stage2_mse_last"] = float(np.mean(ft[-10:])) if ft else None
+    elif float(k_keep) >= 1.0:
+        params = [torch.ones(KV, D) for _ in range(L)]
+    sc_out = [[[float(params[i][h, c]) for c in keep[i][h]] for h in range(KV)]
+              for i in range(L)]
+    meta["learn_s"] = round(time.perf_counter() - t0, 1)
+    return LeanKMask(keep=keep, scales=sc_out, head_dim=D, k_keep=float(k_keep),
+                     alignment=alignment, method="learned", meta=meta)
+
+
+# ------------------------------------------------------------------------------------------
+# long-context evaluation
+# ------------------------------------------------------------------------------------------
+
+def long_perplexity(model, tokenizer, mask: Optional[LeanKMask], text=None, *,
+                    seqlen: int = 2048, nwindows: int = 10, sink: int = DEFAULT_SINK,
+                    window: int = DEFAULT_WINDOW, progress: bool = False):
+    """Perplexity (``edgeprune.evaluate`` protocol: no BOS, non-overlapping windows) with
+    the LeanK reference attention; ``mask=None`` gives the unpruned figure through the
+    same code path.
+
+    Returns:
+        ``edgeprune.evaluate.PerplexityResult``.
+
+    Raises:
+        ConfigError: ``sink + window`` larger than ``seqlen`` when a mask is given.
+    """
+    from .evaluate import perplexity
+    if mask is not None:
+        check_leank_args(sink=sink, window=window, context=seqlen)
+    with apply_reference(model, mask, sink, window):
+        return perplexity(model, tokenizer, text, seqlen=seqlen, nwindows=nwindows,
+                          progress=progress)
+
+
+NAMES = ["Alice", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ingrid",
+         "Jonas", "Kamala", "Luca", "Marta", "Nils", "Olga", "Pavel", "Quentin", "Rosa",
+         "Sven", "Tamar", "Ugo", "Vera", "Wanda", "Xavier", "Yara", "Zoltan"]
+
+
+def retrieval_prompts(tokenizer, text=None, *, n_trials: int = 20, context_tokens: int = 2000,
+                      seed: int = 0, chat: bool = False) -> list[dict]:
+    """Synthetic long-context retrieval trials ("needle in a haystack").
+
+    Trial ``t`` takes ``context_tokens`` tokens of real text (consecutive windows of
+    ``text``; default: the embedded held-out text), inserts the fact "The secret code of
+    <name> is <5-digit number>." at depth ``t / (n_trials - 1)`` (0% = start, 100% =
+    end; snapped to a sentence boundary when one is within 50 tokens), and asks at the
+    end. Plain prompts end with ``"... Answer: The secret code of <name> is"``; with
+    ``chat=True`` the question is a user turn rendered by the tokenizer's chat template
+    and the assistant's answer is primed the same way.
+
+    Returns:
+        ``[{"ids": list[int], "answer": str, "depth": float, "name": str}]``.
+    """
+    from .evaluate import resolve_text
+    body, _ = resolve_text(text)
+    ids = tokenizer(body, add_special_tokens=False)["input_ids"]
+    if len(ids) < context_tokens + 10:
+        raise CalibrationError(f"retrieval text has {len(ids)} tokens, {context_tokens} needed",
+                               "use a longer text or fewer context_tokens")
+    rng = random.Random(seed)
+    nwin = len(ids) // context_tokens
+    out = []
+    for t in range(n_trials):
+        depth = t / max(1, n_trials - 1)
+        w = ids[(t % nwin) * context_tokens:(t % nwin + 1) * context_tokens]
+        hay = tokenizer.decode(w)
+        name = NAMES[t % len(NAMES)]
+        code = str(rng.randint(10000, 99999))
+        fact = f" The secret code of {name} is {code}. "
+        cut = int(len(hay) * depth)
+        near = [m for m in range(max(0, cut - 200), min(len(hay), cut + 200)) if hay[m - 1:m] == "."]
+        if near and 0 < depth < 1:
+            cut = min(near, key=lambda m: abs(m - cut))
+        doc = hay[:cut] + fact + hay[cut:]
+        q = f"What is the secret code of {name}?"
+        prime = f"The secret code of {name} is"
+        if chat and getattr(tokenizer, "chat_template", None):
+            msgs = [{"role": "user", "content": doc.strip() + "\n\n" + q}]
+            prompt = tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                   add_generation_prompt=True) + prime
+        else:
+            prompt = doc.rstrip() + "\n\nQuestion: " + q + "\nAnswer: " + prime
+        out.append({"ids": tokenizer(prompt, add_special_tokens=False)["input_ids"],
+                    "answer": code, "depth": round(depth, 3), "name": name})
+    return out
+
+
+def _torch_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
+    dev = next(model.parameters()).device
+    x = torch.tensor([ids], device=dev)
+    out: list[int] = []
+    with torch.no_grad():
+        res = model(x, use_cache=True)
+        past = res.past_key_values
+        for _ in range(max_new_tokens):
+            t = int(res.logits[0, -1].argmax())
+            out.append(t)
+            res = model(torch.tensor([[t]], device=dev), past_key_values=past, use_cache=True)
+            past = res.past_key_values
+    return out
+
+
+def retrieval_eval(model_or_generate, tokenizer, mask: Optional[LeanKMask] = None, text=None, *,
+                   n_trials: int = 20, context_tokens: int = 2000, sink: int = DEFAULT_SINK,
+                   window: int = DEFAULT_WINDOW, chat: bool = False, seed: int = 0,
+                   max_new_tokens: int = 7, progress: bool = False) -> dict:
+    """Exact-match accuracy of the greedy continuation on :func:`retrieval_prompts`.
+
+    A trial scores 1 when the first number in the continuation equals the planted code.
+
+    Args:
+        model_or_generate: a torch model (run under :func:`apply_reference` with ``mask``,
+            decoding with HF's cache) or a callable ``fn(ids: list[int], max_new_tokens)
+            -> list[int]`` (e.g. an ONNX LeanK session).
+
+    Returns:
+        ``{"accuracy", "n_trials", "context_tokens", "chat", "by_depth": {depth: 0/1},
+        "seconds"}``.
+    """
+    import re
+    trials = retrieval_prompts(tokenizer, text, n_trials=n_trials, context_tokens=context_tokens,
+                               seed=seed, chat=chat)
+    t0 = time.perf_counter()
+    if isinstance(model_or_generate, torch.nn.Module):
+        model = model_or_generate
+        ctx = apply_reference(model, mask, sink, window)
+        gen = lambda ids, n: _torch_greedy(model, ids, n)  # noqa: E731
+    else:
+        ctx = contextlib.nullcontext()
+        gen = model_or_generate
+    hits, by_depth, samples = 0, {}, []
+    from tqdm.auto import tqdm
+    with ctx:
+        for tr in tqdm(trials, desc="retrieval", disable=not progress, leave=False):
+            toks = gen(tr["ids"], max_new_tokens)
+            txt = tokenizer.decode(toks)
+            m = re.search(r"\d+", txt)
+            ok = bool(m and m.group(0) == tr["answer"])
+            hits += ok
+            by_depth[str(tr["depth"])] = int(ok)
+            if len(samples) < 3:
+                samples.append({"answer": tr["answer"], "got": txt})
+    return {"accuracy": hits / len(trials), "n_trials": len(trials),
+            "context_tokens": context_tokens, "chat": chat, "by_depth": by_depth,
+            "samples": samples, "seconds": round(time.perf_counter() - t0, 1)}
