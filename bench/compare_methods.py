@@ -1,0 +1,251 @@
+"""edgeprune's compression methods vs llm-compressor on the same model, data and settings.
+
+For every method (RTN / GPTQ / AWQ W4 g64 symmetric, SparseGPT and Wanda 50% and 2:4,
+magnitude baselines, dense) on SmolLM2-135M-Instruct:
+
+* both tools calibrate on the *same* token windows (``--nsamples`` x ``--seqlen`` from C4
+  validation, drawn by ``edgeprune.calibration`` with ``--seed``; saved as .npy for the
+  peer);
+* llm-compressor (``.venv-llmcompressor``, created on first use: ``torch==2.13.0`` then
+  ``llmcompressor==0.14.0.1``) runs in a subprocess on an HF folder holding the same fp32
+  weights, and saves its result as a dense folder (fake-quantized / masked weights);
+* both results are scored by the *same* code, ``edgeprune.evaluate.perplexity`` on
+  WikiText-2 test (no BOS, first ``--nwindows`` windows of 512 tokens);
+* wall time is each tool's compression call only (model loading and saving excluded).
+
+Settings matched on both sides: 4-bit symmetric g64, GPTQ ``damp 0.01``, block 128 and
+static activation ordering (llm-compressor's default ``actorder="static"`` = our
+``act_order=True, static_groups=True``); AWQ 20-point grid with duo scaling; pruning at 50%
+or 2:4 on every decoder linear, ``lm_head`` excluded (llm-compressor's pruning modifiers
+need the regex ``re:.*lm_head`` for that, otherwise they prune the tied head/embedding).
+
+Usage::
+
+    .venv/bin/python bench/compare_methods.py --json bench/results/compare_methods.json
+    .venv/bin/python bench/compare_methods.py --quick --json /tmp/q.json   # < 10 min
+
+Peer results are cached under ``bench/.cache/peers/`` keyed by method and calibration;
+a cached figure is reused (and labelled ``cached`` in the table and JSON ``note``) unless
+``--fresh-peers``. Timing on this shared 2-core machine is noisy (other jobs run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from _peers import ensure_venv, run_peer, write_json_records  # noqa: E402
+
+SHARED = Path(os.environ.get("EDGEPRUNE_SHARED", ROOT.parent / "shared"))
+C4 = SHARED / "data" / "c4" / "c4_validation_2k.parquet"
+WIKI = SHARED / "data" / "wikitext2" / "wiki.test.raw"
+CACHE = ROOT / "bench" / ".cache"
+PEER = "llm-compressor"
+LLMC_PKG = "llmcompressor==0.14.0.1"
+
+
+def cases(group_size: int = 64):
+    """(case name, edgeprune config factory or None for dense, peer method key or None)."""
+    from edgeprune.recipe import (AWQConfig, GPTQConfig, MagnitudeConfig, RTNConfig,
+                                  SparseGPTConfig, WandaConfig)
+    g = group_size
+    return [
+        ("dense", None, None),
+        (f"rtn_w4g{g}", lambda: RTNConfig(bits=4, group_size=g, sym=True), "rtn"),
+        (f"gptq_w4g{g}", lambda: GPTQConfig(bits=4, group_size=g, sym=True, act_order=True,
+                                             static_groups=True, damp_percent=0.01, blocksize=128),
+         "gptq"),
+        (f"awq_w4g{g}", lambda: AWQConfig(bits=4, group_size=g, sym=True, n_grid=20, duo_scaling=True),
+         "awq"),
+        ("sparsegpt_50", lambda: SparseGPTConfig(sparsity=0.5, percdamp=0.01, blocksize=128), "sparsegpt"),
+        ("sparsegpt_2:4", lambda: SparseGPTConfig(prune_n=2, prune_m=4, percdamp=0.01, blocksize=128),
+         "sparsegpt24"),
+        ("wanda_50", lambda: WandaConfig(sparsity=0.5), "wanda"),
+        ("wanda_2:4", lambda: WandaConfig(prune_n=2, prune_m=4), "wanda24"),
+        ("magnitude_50", lambda: MagnitudeConfig(sparsity=0.5), None),
+        ("magnitude_2:4", lambda: MagnitudeConfig(prune_n=2, prune_m=4), None),
+    ]
+
+
+QUICK_CASES = ("dense", "rtn_w4g64", "gptq_w4g64", "wanda_50")
+
+
+def _ppl(model, tok, nwindows: int) -> float:
+    from edgeprune.evaluate import perplexity
+    return float(perplexity(model, tok, WIKI, seqlen=512, nwindows=nwindows, progress=False).ppl)
+
+
+def _dense_folder(model, tok) -> Path:
+    """The fp32 model as an HF folder for the peer (written once, atomically)."""
+    out = CACHE / "smollm2-135m-fp32"
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    tmp = CACHE / f".smollm2-135m-fp32.tmp-{os.getpid()}"
+    model.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    os.replace(tmp, out)
+    return out
+
+
+def _peer_run(method: str, model_dir: Path, calib_path: Path, key: str, nwindows: int, tok,
+              fresh: bool, timeout: float, log: Path) -> dict:
+    """Run llm-compressor (or reuse its cached result): {"ppl", "seconds", "error", "note"}."""
+    cdir = CACHE / "peers"
+    cdir.mkdir(parents=True, exist_ok=True)
+    cfile = cdir / f"{method}-{key}-w{nwindows}.json"
+    if cfile.exists() and not fresh:
+        rec = json.loads(cfile.read_text())
+        rec["note"] = f"cached {rec.get('when', '?')} ({cfile.name})"
+        return rec
+    rec = {"ppl": None, "seconds": None, "error": None, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    try:
+        py = ensure_venv("llmcompressor", [LLMC_PKG], check_import="llmcompressor", log=log)
+    except RuntimeError as e:
+        rec["error"] = f"peer venv setup failed: {e}"
+        return rec
+    out = CACHE / f"peer-{method}"
+    res_file = CACHE / f"peer-{method}.result.json"
+    if res_file.exists():
+        res_file.unlink()
+    import shutil
+    shutil.rmtree(out, ignore_errors=True)
+    r = run_peer(py, [str(ROOT / "bench" / "_llmc_worker.py"), "--model", str(model_dir), "--calib",
+                      str(calib_path), "--method", method, "--out", str(out), "--result", str(res_file)],
+                 timeout=timeout, log=log)
+    res = json.loads(res_file.read_text()) if res_file.exists() else {
+        "ok": False, "error": f"worker exited rc={r['rc']}: {r['tail'][-600:]}"}
+    rec["version"] = res.get("version")
+    if not res.get("ok"):
+        rec["error"] = res.get("error") or f"rc={r['rc']}"
+    else:
+        rec["seconds"] = res["seconds"]
+        from transformers import AutoModelForCausalLM
+        pm = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+        rec["ppl"] = _ppl(pm, tok, nwindows)
+        del pm
+        shutil.rmtree(out, ignore_errors=True)
+    cfile.write_text(json.dumps(rec, indent=2))
+    return rec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write records to this path")
+    ap.add_argument("--quick", action="store_true",
+                    help="8x512 calibration, 10 eval windows, dense/RTN/GPTQ/Wanda only (< 10 min)")
+    ap.add_argument("--cases", help="comma-separated case names (default: all, or the quick set)")
+    ap.add_argument("--nsamples", type=int, default=None)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--nwindows", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-peer", action="store_true", help="run edgeprune only")
+    ap.add_argument("--fresh-peers", action="store_true", help="ignore cached peer results")
+    ap.add_argument("--peer-timeout", type=float, default=2400.0, help="seconds per peer run")
+    a = ap.parse_args(argv)
+    nsamples = a.nsamples or (8 if a.quick else 32)
+    nwindows = a.nwindows or (10 if a.quick else 40)
+
+    from edgeprune.calibration import build_calibration
+    from edgeprune.engine import compress
+    from edgeprune.models import load_model
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    log = CACHE / "compare_methods.peer.log"
+    all_cases = cases()
+    wanted = (a.cases.split(",") if a.cases else (QUICK_CASES if a.quick else [c[0] for c in all_cases]))
+    unknown = set(wanted) - {c[0] for c in all_cases}
+    if unknown:
+        ap.error(f"unknown cases {sorted(unknown)}; known: {[c[0] for c in all_cases]}")
+
+    base, tok = load_model("smollm2-135m")
+    calib = build_calibration(tok, C4, nsamples=nsamples, seqlen=a.seqlen, seed=a.seed)
+    ids = calib.input_ids
+    key = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:12]
+    calib_path = CACHE / f"calib-{key}.npy"
+    np.save(calib_path, ids.numpy())
+    model_dir = None if a.no_peer else _dense_folder(base, tok)
+    console.print(f"calibration: {calib.info['source']} {nsamples}x{a.seqlen} seed {a.seed} (sha {key}); "
+                  f"eval: WikiText-2 test {nwindows}x512; threads {torch.get_num_threads()}")
+
+    records, rows = [], []
+    for name, factory, peer_method in all_cases:
+        if name not in wanted:
+            continue
+        ours_ppl = ours_s = None
+        err = None
+        if factory is None:
+            ours_ppl = _ppl(base, tok, nwindows)
+        else:
+            m = copy.deepcopy(base)
+            try:
+                t0 = time.perf_counter()
+                res = compress(m, factory(), ids, progress=False, measure_errors=False)
+                ours_s = time.perf_counter() - t0
+                ours_ppl = _ppl(m, tok, nwindows)
+                if res.fallbacks:
+                    err = f"{len(res.fallbacks)} fallbacks: {res.fallbacks[0]}"
+            except Exception as e:  # noqa: BLE001 - recorded, the bench goes on
+                err = f"edgeprune failed: {type(e).__name__}: {e}"
+            del m
+            gc.collect()
+        peer = {"ppl": None, "seconds": None, "error": None}
+        if peer_method and not a.no_peer:
+            peer = _peer_run(peer_method, model_dir, calib_path, key, nwindows, tok, a.fresh_peers,
+                             a.peer_timeout, log)
+        note = "; ".join(x for x in (err, peer.get("error") and f"{PEER}: {peer['error']}",
+                                     peer.get("note")) if x)
+        has_peer = bool(peer_method) and not a.no_peer
+        for metric, ours, theirs in (("ppl", ours_ppl, peer.get("ppl")),
+                                     ("seconds", ours_s, peer.get("seconds"))):
+            if metric == "seconds" and factory is None:
+                continue
+            rec = {"case": name, "metric": metric, "ours": ours,
+                   "peer": PEER if has_peer else None, "theirs": theirs if has_peer else None}
+            if note:
+                rec["note"] = note
+            records.append(rec)
+        rows.append((name, ours_ppl, peer.get("ppl"), ours_s, peer.get("seconds"), note))
+        console.print(f"[bold]{name}[/]: ppl {ours_ppl} / {peer.get('ppl')}  s {ours_s} / {peer.get('seconds')}"
+                      + (f"  ({note})" if note else ""))
+        if a.json:
+            write_json_records(a.json, records)
+
+    def f(x, fmt="{:.2f}"):
+        return "—" if x is None else fmt.format(x)
+
+    t = Table(title=f"edgeprune vs {PEER} — SmolLM2-135M, calib C4 {nsamples}x{a.seqlen}, "
+                    f"WikiText-2 {nwindows}x512 (seconds: shared 2-core machine, noisy)")
+    for col in ("case", "ppl ours", "ppl theirs", "ppl ratio", "s ours", "s theirs", "s ratio", "ok", "note"):
+        t.add_column(col)
+    for name, po, pt, so, st, note in rows:
+        pr = po / pt if po and pt else None
+        sr = so / st if so and st else None
+        ok = "—" if pr is None else ("yes" if pr <= 1.005 and (sr is None or sr <= 1.0) else "NO")
+        t.add_row(name, f(po), f(pt), f(pr, "{:.3f}"), f(so, "{:.1f}"), f(st, "{:.1f}"), f(sr, "{:.2f}"), ok,
+                  (note or "")[:80])
+    console.print(t)
+    if a.json:
+        write_json_records(a.json, records)
+        console.print(f"wrote {len(records)} records to {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
