@@ -13,7 +13,7 @@ Sources accepted by :func:`load_documents` / :func:`get_calibration`:
 **The embedded default text** is the Python standard library's bundled documentation
 topics (``pydoc_data.topics``: 79 topics, about 465k characters of English prose and code
 that ships with every CPython). Topics are ordered by name; every third topic
-(index % 3 == 2) forms the *held-out* part used for evaluation, the rest the
+(index % 3 == 2, after dropping topics whose text repeats an earlier one) forms the *held-out* part used for evaluation, the rest the
 *calibration* part, so the two never share text. It is small, real and always there;
 it is not a substitute for a domain corpus: calibrate on text like your application's.
 
@@ -70,9 +70,12 @@ def default_documents(part: str = "calibration") -> list[str]:
         raise ConfigError(f"unknown default text part {part!r}", "use 'calibration' or 'heldout'")
     from pydoc_data.topics import topics
 
-    names = sorted(topics)
-    keep = [n for i, n in enumerate(names) if (i % 3 == 2) == (part == "heldout")]
-    return [topics[n].strip() for n in keep]
+    docs: list[str] = []
+    for name in sorted(topics):  # some topics share one text: keep it once
+        text = topics[name].strip()
+        if text not in docs:
+            docs.append(text)
+    return [d for i, d in enumerate(docs) if (i % 3 == 2) == (part == "heldout")]
 
 
 def default_text(part: str = "heldout") -> str:

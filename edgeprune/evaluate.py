@@ -90,15 +90,26 @@ class FidelityResult:
         return d
 
 
+def _is_file(text: str) -> bool:
+    try:
+        return Path(text).expanduser().is_file()
+    except (OSError, ValueError):  # too long / NUL byte: a literal text, not a path
+        return False
+
+
 def resolve_text(text: str | Path | None) -> tuple[str, str]:
-    """Return ``(text, description)`` for a file path, a literal string or None (default held-out)."""
+    """Return ``(text, description)`` for a file path, a literal string or None (default held-out).
+
+    Raises:
+        CalibrationError: a path-like string (``.txt``/``.raw`` or containing ``/`` and
+            short) that does not exist, or an unreadable file.
+    """
     if text is None or str(text) == "default":
         return default_text("heldout"), "default:pydoc_data.topics[heldout]"
-    if isinstance(text, Path) or (isinstance(text, str) and len(text) < 4096 and "\n" not in text
-                                  and Path(text).expanduser().is_file()):
+    if isinstance(text, Path) or _is_file(text):
         p = Path(text).expanduser()
         return read_text_file(p), str(p)
-    if isinstance(text, str) and len(text) < 512 and ("/" in text or text.endswith((".txt", ".raw"))):
+    if len(text) < 512 and "\n" not in text and (text.endswith((".txt", ".raw", ".jsonl")) or "/" in text):
         raise CalibrationError(f"evaluation text file {text} does not exist", "check the path")
     return str(text), "literal string"
 
