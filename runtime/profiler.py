@@ -206,8 +206,8 @@ class ProfileReport:
         ran_on: where the measured figures come from (``"cpu-host, 2 threads, CPUExecutionProvider"``).
         settings: ``prompt_len``, ``gen_len``, ``repeat``, ``threads``, ``device``.
         measured: ``ttft_ms`` / ``prefill_tok_s`` / ``decode_tok_s`` / ``decode_step_ms``
-            (each ``{"median", "p90"}``; decode tok/s p90 is the rate at the p90 step
-            latency), ``peak_rss_bytes``, ``weights_bytes``, ``kv_bytes`` (``{"k", "v"}``
+            (each ``{"median", "p90"}``; for rates, "p90" is the slow tail: decode tok/s
+            at the p90 step latency, the 10th-percentile prefill rate), ``peak_rss_bytes``, ``weights_bytes``, ``kv_bytes`` (``{"k", "v"}``
             at ``final_length`` tokens), ``final_length``.
         projected: ``{target: {...}}`` roofline projections (never measurements).
         work: bytes / ops per token of the graph (:func:`model_work`).
