@@ -463,7 +463,11 @@ def _write_back(task: LayerTask, r: LayerResult, result: CompressionResult) -> N
         result.sparsity_pattern[task.name] = pat
     mod.weight.data.copy_(w.to(device=mod.weight.device, dtype=mod.weight.dtype))
     if r.quantized is not None:
-        result.quantized[task.name] = r.quantized
+        q = r.quantized
+        q.codes, q.scales, q.zeros = q.codes.cpu(), q.scales.cpu(), q.zeros.cpu()
+        if q.g_idx is not None:
+            q.g_idx = q.g_idx.cpu()
+        result.quantized[task.name] = q
     result.fallbacks.extend(r.notes)
 
 

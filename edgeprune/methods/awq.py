@@ -138,7 +138,7 @@ def search_scale(W: torch.Tensor, H: torch.Tensor, x_mean: torch.Tensor, *, bits
         d = W - q
         return float(((d @ H) * d).sum())
 
-    ones = torch.ones(inp)
+    ones = torch.ones(inp, device=W.device)
     best_s, best_loss, best_ratio = ones, loss_of(ones), None
     loss_rtn = best_loss
     n_bad_total = 0
@@ -161,8 +161,8 @@ def search_clip(W: torch.Tensor, H: torch.Tensor, *, bits: int, group_size: int,
     G = inp // gs
     W = W.float()
     Hb = torch.stack([H[g * gs:(g + 1) * gs, g * gs:(g + 1) * gs] for g in range(G)])  # [G, gs, gs]
-    best = torch.ones(out, G)
-    best_err = torch.full((out, G), float("inf"))
+    best = torch.ones(out, G, device=W.device)
+    best_err = torch.full((out, G), float("inf"), device=W.device)
     for i in range(max(1, int(max_shrink * n_grid))):
         c = 1.0 - i / n_grid
         d = (W - _fake_quant_groups(W, bits, gs, sym, c)).reshape(out, G, gs)
@@ -284,15 +284,15 @@ class AWQ(Method):
             Wt = W[t.name]
             H = stats[t.name].hessian if stats[t.name].n_tokens else None
             gs = check_quant_args(c.bits, c.group_size, Wt.shape[1], name=t.name)
-            clip = torch.ones(Wt.shape[0], Wt.shape[1] // gs)
+            clip = torch.ones(Wt.shape[0], Wt.shape[1] // gs, device=Wt.device)
             if c.clip_search and H is not None and not t.name.endswith(_NO_CLIP):
                 clip = search_clip(Wt, H, bits=c.bits, group_size=gs, sym=c.sym, n_grid=c.n_grid,
                                    max_shrink=c.max_shrink)
             q = None
             if t.quantize:
-                q = rtn_quantize(Wt, c.bits, gs, c.sym, clip=clip, name=t.name)
+                q = rtn_quantize(Wt.cpu(), c.bits, gs, c.sym, clip=clip.cpu(), name=t.name)
                 q.meta.update(method="awq", clip_mean=float(clip.mean()))
-                Wn = q.dequantize()
+                Wn = q.dequantize().to(Wt.device)
             else:
                 Wn = _clamp_to_clip(Wt, clip, gs, c.sym) if c.clip_search else Wt.clone()
             if t.mask is not None:

@@ -224,20 +224,20 @@ def row_keep_mask(score: torch.Tensor, sparsity: float) -> torch.Tensor:
     total = int(round(out * inp * sparsity))
     k, extra = divmod(total, out)
     order = torch.argsort(score, dim=1, stable=True)  # ascending: first = pruned first
-    n_prune = torch.full((out,), k, dtype=torch.long)
+    n_prune = torch.full((out,), k, dtype=torch.long, device=score.device)
     if extra and k < inp:
         nxt = score.gather(1, order[:, k:k + 1]).squeeze(1)
         rows = torch.argsort(nxt, stable=True)[:extra]
         n_prune[rows] += 1
     ranks = torch.empty_like(order)
-    ranks.scatter_(1, order, torch.arange(inp).expand(out, inp).contiguous())
+    ranks.scatter_(1, order, torch.arange(inp, device=score.device).expand(out, inp).contiguous())
     return ranks >= n_prune[:, None]
 
 
 def layer_keep_mask(score: torch.Tensor, sparsity: float) -> torch.Tensor:
     """Per-layer pruning: remove exactly ``round(numel*sparsity)`` lowest scores."""
     total = int(round(score.numel() * sparsity))
-    keep = torch.ones(score.numel(), dtype=torch.bool)
+    keep = torch.ones(score.numel(), dtype=torch.bool, device=score.device)
     if total:
         idx = torch.argsort(score.flatten(), stable=True)[:total]
         keep[idx] = False

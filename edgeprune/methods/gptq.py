@@ -75,15 +75,16 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
     n_groups = cols // gs
     maxq = 2 ** bits - 1
     W = W.detach().float().clone()
+    dev = W.device
     if mask is not None:
-        mask = mask.to(torch.bool)
+        mask = mask.to(device=dev, dtype=torch.bool)
         W = W * mask
-    H = fix_dead_channels(H.detach().float())
+    H = fix_dead_channels(H.detach().float().to(dev))
 
     static_s = static_z = None
     if static_groups and gs < cols:
-        static_s = torch.empty(out, n_groups)
-        static_z = torch.empty(out, n_groups)
+        static_s = torch.empty(out, n_groups, device=dev)
+        static_z = torch.empty(out, n_groups, device=dev)
         for g in range(n_groups):
             s, z = qparams(W[:, g * gs:(g + 1) * gs], bits, sym)
             static_s[:, g], static_z[:, g] = s[:, 0], z[:, 0]
@@ -101,9 +102,9 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
     if U is None:
         return None, info
 
-    codes = torch.zeros(out, cols)
-    scales = torch.zeros(out, n_groups)
-    zeros = torch.zeros(out, n_groups)
+    codes = torch.zeros(out, cols, device=dev)
+    scales = torch.zeros(out, n_groups, device=dev)
+    zeros = torch.zeros(out, n_groups, device=dev)
     s = z = None
     if gs == cols:  # one group per row: grid from the whole row (order irrelevant)
         s, z = qparams(W, bits, sym)
@@ -113,7 +114,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
         i2 = min(i1 + blocksize, cols)
         count = i2 - i1
         W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros(out, count)
+        Err1 = torch.zeros(out, count, device=dev)
         U1 = U[i1:i2, i1:i2]
         M1 = None if mask is None else mask[:, i1:i2]
         for i in range(count):
@@ -148,11 +149,11 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
         inv = torch.argsort(perm)
         codes = codes[:, inv]
         if static_s is None and gs < cols:
-            g_idx = (torch.arange(cols) // gs)[inv].to(torch.int32)
+            g_idx = (torch.arange(cols, device=dev) // gs)[inv].to(torch.int32).cpu()
     if static_s is not None:
         scales, zeros = static_s, static_z
-    qw = QuantizedWeight(codes=codes.to(torch.uint8), scales=scales.float(),
-                         zeros=zeros.to(torch.uint8), bits=bits, group_size=gs, sym=sym, g_idx=g_idx,
+    qw = QuantizedWeight(codes=codes.to(torch.uint8).cpu(), scales=scales.float().cpu(),
+                         zeros=zeros.to(torch.uint8).cpu(), bits=bits, group_size=gs, sym=sym, g_idx=g_idx,
                          meta={"method": "gptq", "damp": damp, "act_order": act_order,
                                "static_groups": bool(static_groups)})
     return qw, info
@@ -212,14 +213,14 @@ class GPTQ(Method):
         results = []
         if qw is None:
             for t in tasks:
-                q = rtn_quantize(t.weight * (t.mask if t.mask is not None else 1), c.bits, c.group_size,
+                q = rtn_quantize((t.weight * (t.mask if t.mask is not None else 1)).cpu(), c.bits, c.group_size,
                                  c.sym, name=t.name)
                 q.meta.update(method="gptq", fallback="rtn")
-                results.append(LayerResult(weight=q.dequantize(), quantized=q))
+                results.append(LayerResult(weight=q.dequantize().to(W.device), quantized=q))
             if results:
                 results[0].notes = notes
             return results
         for t, q in zip(tasks, split_rows(qw, [t.weight.shape[0] for t in tasks])):
-            results.append(LayerResult(weight=q.dequantize(), quantized=q))
+            results.append(LayerResult(weight=q.dequantize().to(W.device), quantized=q))
         results[0].notes = notes
         return results

@@ -19,9 +19,9 @@ class RTN(Method):
 
     def compress_layer(self, task: LayerTask) -> LayerResult:
         c = self.config
-        q = rtn_quantize(task.weight, c.bits, c.group_size, c.sym, name=task.name)
+        q = rtn_quantize(task.weight.cpu(), c.bits, c.group_size, c.sym, name=task.name)
         q.meta["method"] = "rtn"
-        w = q.dequantize()
+        w = q.dequantize().to(task.weight.device)
         if task.mask is not None:  # zero is on every grid, so pruned weights stay zero
             w = w * task.mask
         return LayerResult(weight=w, quantized=q)

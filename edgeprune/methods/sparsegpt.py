@@ -61,10 +61,11 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, *, sparsity: float = 0.5, 
     """
     out, cols = W.shape
     W = W.detach().float().clone()
-    prev_keep = None if mask is None else mask.to(torch.bool)
+    dev = W.device
+    prev_keep = None if mask is None else mask.to(device=dev, dtype=torch.bool)
     if prev_keep is not None:
         W = W * prev_keep
-    H = fix_dead_channels(H.detach().float())
+    H = fix_dead_channels(H.detach().float().to(dev))
     U, damp, attempts = damped_cholesky_inverse(H, percdamp, tries=tries)
     info = {"damp": damp, "attempts": attempts}
     if U is None:
@@ -76,17 +77,17 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, *, sparsity: float = 0.5, 
         gs = check_quant_args(bits, group_size, cols, name=name)
         maxq = 2 ** bits - 1
         n_groups = cols // gs
-        codes = torch.zeros(out, cols)
-        scales = torch.zeros(out, n_groups)
-        zeros = torch.zeros(out, n_groups)
-    pruned = torch.zeros(out, cols, dtype=torch.bool)
+        codes = torch.zeros(out, cols, device=dev)
+        scales = torch.zeros(out, n_groups, device=dev)
+        zeros = torch.zeros(out, n_groups, device=dev)
+    pruned = torch.zeros(out, cols, dtype=torch.bool, device=dev)
     diagU = torch.diagonal(U)
 
     for i1 in range(0, cols, blocksize):
         i2 = min(i1 + blocksize, cols)
         count = i2 - i1
         W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros(out, count)
+        Err1 = torch.zeros(out, count, device=dev)
         U1 = U[i1:i2, i1:i2]
         d1 = diagU[i1:i2]
         P1 = pruned[:, i1:i2]
@@ -101,7 +102,7 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, *, sparsity: float = 0.5, 
                     k = max(k, int((~prev_keep[r0:r1, i1:i2]).sum()))
                 if k:
                     idx = torch.argsort(seg.flatten(), stable=True)[:k]
-                    flat = torch.zeros(seg.numel(), dtype=torch.bool)
+                    flat = torch.zeros(seg.numel(), dtype=torch.bool, device=dev)
                     flat[idx] = True
                     P1[r0:r1] = flat.reshape(seg.shape)
         for i in range(count):
@@ -119,7 +120,7 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, *, sparsity: float = 0.5, 
                     g = col // gs
                     seg = W1[:, i:i + gs] if i + gs <= count else torch.cat([W1[:, i:], W[:, i2:col + gs] - Err1[:, :i] @ U[i1:col, i2:col + gs]], 1)
                     known = P1[:, i:i + gs] if i + gs <= count else torch.cat(
-                        [P1[:, i:], torch.zeros(out, col + gs - i2, dtype=torch.bool)], 1)
+                        [P1[:, i:], torch.zeros(out, col + gs - i2, dtype=torch.bool, device=dev)], 1)
                     s2, z2 = qparams(torch.where(known, torch.zeros_like(seg), seg), bits, sym)
                     s, z = s2[:, 0], z2[:, 0]
                     scales[:, g], zeros[:, g] = s, z
@@ -139,9 +140,9 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, *, sparsity: float = 0.5, 
     W = W * keep
     qw = None
     if quant:
-        qw = QuantizedWeight(codes=codes.to(torch.uint8), scales=scales, zeros=zeros.to(torch.uint8),
+        qw = QuantizedWeight(codes=codes.to(torch.uint8).cpu(), scales=scales.cpu(), zeros=zeros.to(torch.uint8).cpu(),
                              bits=bits, group_size=gs, sym=sym, meta={"method": "sparsegpt", "damp": damp})
-        W = qw.dequantize() * keep
+        W = qw.dequantize().to(dev) * keep
     return W, keep, qw, info
 
 
@@ -189,9 +190,9 @@ class SparseGPT(Method):
                 w = t.weight * keep
                 q = None
                 if c.bits:
-                    q = rtn_quantize(w, c.bits, c.group_size, c.sym, name=t.name)
+                    q = rtn_quantize(w.cpu(), c.bits, c.group_size, c.sym, name=t.name)
                     q.meta.update(method="sparsegpt", fallback="rtn")
-                    w = q.dequantize() * keep
+                    w = q.dequantize().to(w.device) * keep
                 out.append(LayerResult(weight=w, mask=keep, pattern=pat, quantized=q))
             out[0].notes = notes
             return out
