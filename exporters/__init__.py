@@ -81,7 +81,8 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
                 accuracy_level: int = 4, group_size: int = 32, max_length: Optional[int] = None,
                 provenance: Optional[dict] = None, overwrite: bool = False,
                 validate: bool = True, external_data: bool = False,
-                parity_tokens: int = 64) -> ExportResult:
+                parity_tokens: int = 64, leank=None, leank_sink: Optional[int] = None,
+                leank_window: Optional[int] = None) -> ExportResult:
     """Export an HF llama/qwen2 decoder to an ONNX folder with a KV cache.
 
     Args:
@@ -111,6 +112,10 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
         validate: run ``onnx.checker``, shape inference and one-window parity.
         external_data: store weights in ``model.onnx.data`` (forced above 2 GB).
         parity_tokens: window length of the parity check.
+        leank: a LeanK key-channel mask (``edgeprune.leank.LeanKMask`` or its ``to_dict()``):
+            the graph's key cache keeps only the kept channels in its middle part, with
+            full-key sink/window caches (see ``exporters.leank``; LeanK, EMNLP 2025).
+        leank_sink, leank_window: tokens kept with full keys (defaults 64 / 448).
 
     Returns:
         :class:`ExportResult`.
@@ -140,7 +145,17 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
     if sparse_24:
         from .sparse24 import check_24
         sparse_info = check_24(model)
-    builder = BUILDERS[spec.architecture](model, spec, opts)
+    builder_cls = BUILDERS[spec.architecture]
+    if leank is not None:
+        from .leank import DEFAULT_SINK, DEFAULT_WINDOW, check_mask, leank_builder
+        leank_sink = DEFAULT_SINK if leank_sink is None else leank_sink
+        leank_window = DEFAULT_WINDOW if leank_window is None else leank_window
+        leank = check_mask(leank, spec, leank_sink, leank_window)
+        builder_cls = leank_builder(builder_cls)
+    builder = builder_cls(model, spec, opts)
+    if leank is not None:
+        builder.leank_mask, builder.leank_sink, builder.leank_window = \
+            leank, int(leank_sink), int(leank_window)
     if compact_24:
         from .sparse24 import enable_compact
         enable_compact(builder)
@@ -190,6 +205,11 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
         "countdown": None,
         "provenance": provenance or {},
     }
+    if leank is not None:
+        from .leank import leank_metadata
+        metadata["leank"] = leank_metadata(leank, leank_sink, leank_window)
+        metadata["kv_layout"]["buffer"] = ("leank: pruned middle (concat) + full sink/window "
+                                           "caches; see leank.layout")
     genai = {"model": {"type": spec.architecture, "context_length": int(max_length),
                        "vocab_size": spec.vocab_size,
                        "bos_token_id": metadata["bos_token_id"],
@@ -202,7 +222,7 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
                                    "num_hidden_layers": spec.num_layers}},
              "search": {"do_sample": False, "max_length": int(max_length), "temperature": 1.0,
                         "top_k": 1, "top_p": 1.0, "repetition_penalty": 1.0,
-                        "past_present_share_buffer": graph == "fused"}}
+                        "past_present_share_buffer": graph == "fused" and leank is None}}
     gen_cfg = getattr(model, "generation_config", None)
     if gen_cfg is not None:
         for k in ("temperature", "top_k", "top_p", "repetition_penalty", "do_sample"):
@@ -230,7 +250,12 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
             from .validate import check_graph, parity as run_parity
             tv = time.perf_counter()
             parity.update(check_graph(mpath))
-            parity.update(run_parity(model, tmp, seqlen=min(parity_tokens, int(max_length)),
+            ptok = min(parity_tokens, int(max_length))
+            if leank is not None and leank_sink + leank_window > 0:
+                # within sink + window nothing is pruned: the graph must equal the dense model
+                # (the pruned path is tested against edgeprune.leank.apply_reference)
+                ptok = min(ptok, leank_sink + leank_window)
+            parity.update(run_parity(model, tmp, seqlen=ptok,
                                      int_weights=builder.int_weights))
             timings["validate_s"] = round(time.perf_counter() - tv, 3)
             metadata["validation"] = parity

@@ -545,8 +545,14 @@ def load(folder, device: str = "cpu", threads: Optional[int] = None,
 
     See :class:`Session` for the arguments and raised errors.
     """
-    return Session(folder, device=device, threads=threads, max_length=max_length,
-                   context_policy=context_policy)
+    cls = Session
+    try:   # LeanK exports (pruned key caches) run through runtime.leank.LeanKSession
+        if json.loads((Path(folder) / "edgeprune.json").read_text()).get("leank"):
+            from .leank import LeanKSession as cls
+    except (OSError, ValueError, AttributeError):
+        pass   # Session reports missing/corrupt metadata with a clear error
+    return cls(folder, device=device, threads=threads, max_length=max_length,
+               context_policy=context_policy)
 
 
 __all__ = ["load", "Session", "GenerationResult"]
