@@ -228,6 +228,9 @@ def keep_mask(mlp, x: torch.Tensor, mode: str, tau: float, pred: Optional[dict] 
 
     M: ``|up(x)| > τ``; D: ``|ĉ(x)| > τ`` (:func:`predictor_score`). ``τ < 0`` keeps all.
     """
+    if tau < 0:
+        ref = mlp.up_proj(x) if up is None else up
+        return torch.ones_like(ref, dtype=torch.bool)
     if mode == "m":
         u = mlp.up_proj(x) if up is None else up
         return u.abs() > tau
@@ -392,26 +395,39 @@ def calibrate(model, calib_ids: torch.Tensor, act_sparsity: float, mode: str = "
         UnsupportedArchitectureError: non-gated MLP.
         CalibrationError: empty calibration set.
     """
-    s = check_act_sparsity(act_sparsity)
+    return calibrate_many(model, calib_ids, [act_sparsity], mode, rank=rank,
+                          max_tokens=max_tokens, seed=seed, progress=progress)[0]
+
+
+@torch.no_grad()
+def calibrate_many(model, calib_ids: torch.Tensor, sparsities, mode: str = "m", *,
+                   rank: int = DEFAULT_RANK, max_tokens: int = 8192, seed: int = 0,
+                   progress: bool = False) -> list:
+    """:func:`calibrate` for several act-sparsities at once (one pass over the
+    calibration data; D predictors shared, only the thresholds differ).
+
+    Returns:
+        ``[CountdownSpec]`` in the order of ``sparsities``.
+    """
+    ss = [check_act_sparsity(a) for a in sparsities]
     mode = check_mode(mode)
     mlps = gated_mlps(model)
     if not isinstance(calib_ids, torch.Tensor) or calib_ids.dim() != 2 or calib_ids.numel() == 0:
         raise CalibrationError("calibration ids must be a non-empty int64 [nsamples, seqlen] tensor",
                                "build them with edgeprune.calibration.build_calibration")
-    if mode == "d" and (not isinstance(rank, int) or rank < 1):
+    if mode == "d" and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1):
         raise ConfigError(f"rank={rank!r} must be a positive integer", "use e.g. rank=64")
     t0 = time.perf_counter()
     I = mlps[0].up_proj.out_features
     H = mlps[0].up_proj.in_features
     act_name = type(mlps[0].act_fn).__name__.lower().replace("activation", "")
-    if s == 0.0:
-        return CountdownSpec(mode, 0.0, [-1.0] * len(mlps), rank if mode == "d" else None,
-                             None, act_name, {"realised_sparsity": [0.0] * len(mlps),
-                                              "calibration_s": 0.0})
-    X_all = collect_mlp_inputs(model, calib_ids, max_tokens, seed)
-    taus, real, recalls, preds, kept_true = [], [], [], [], []
-    it = range(len(mlps))
-    if progress:
+    L = len(mlps)
+    todo = [s for s in ss if s > 0]
+    acc = {s: {"taus": [], "real": [], "recall": [], "l1": []} for s in todo}
+    preds = []
+    X_all = collect_mlp_inputs(model, calib_ids, max_tokens, seed) if todo else []
+    it = range(L) if todo else []
+    if progress and todo:
         from tqdm.auto import tqdm
         it = tqdm(it, desc=f"countdown-{mode} calibrate", unit="layer")
     for i in it:
@@ -419,9 +435,6 @@ def calibrate(model, calib_ids: torch.Tensor, act_sparsity: float, mode: str = "
         Xd = X.to(mlp.up_proj.weight.dtype).to(mlp.up_proj.weight.device)
         u = mlp.up_proj(Xd).float().cpu()
         c = (_act(mlp, mlp.gate_proj(Xd)).float().cpu() * u)
-        n_keep = I - int(round(s * I))
-        true_top = torch.zeros_like(c, dtype=torch.bool).scatter_(
-            -1, c.abs().topk(n_keep, dim=-1).indices, True)
         if mode == "m":
             score = u
         else:
@@ -430,34 +443,51 @@ def calibrate(model, calib_ids: torch.Tensor, act_sparsity: float, mode: str = "
             pred = {"v_gate": Vg, "u_gate": Ug, "v_up": Vu, "u_up": Uu}
             preds.append(pred)
             score = predictor_score(pred, X, lambda t: _act(mlp, t))
-        tau, rs = per_token_threshold(score, s)
-        keep = score.abs() > tau
-        taus.append(tau)
-        real.append(rs)
-        recalls.append(float((keep & true_top).sum() / true_top.sum()))
-        # fraction of |c| mass (L1) kept: how much of the down projection's input survives
-        kept_true.append(float((c.abs() * keep).sum() / c.abs().sum().clamp_min(1e-30)))
-        del Xd, u, c
+        ca = c.abs()
+        order = ca.argsort(dim=-1, descending=True)
+        for s in todo:
+            n_keep = I - int(round(s * I))
+            true_top = torch.zeros_like(c, dtype=torch.bool).scatter_(-1, order[:, :n_keep], True)
+            tau, rs = per_token_threshold(score, s)
+            keep = score.abs() > tau
+            a = acc[s]
+            a["taus"].append(tau)
+            a["real"].append(rs)
+            a["recall"].append(float((keep & true_top).sum() / true_top.sum()))
+            # fraction of |c| mass (L1) kept: how much of the down projection's input survives
+            a["l1"].append(float((ca * keep).sum() / ca.sum().clamp_min(1e-30)))
+        del Xd, u, c, ca, order
+    secs = round(time.perf_counter() - t0, 2)
     mlp_bytes = 3 * H * I * 4
-    stats: dict[str, Any] = {
-        "realised_sparsity": [round(r, 4) for r in real],
-        "realised_sparsity_mean": round(sum(real) / len(real), 4),
-        "recall_top": [round(r, 4) for r in recalls],
-        "recall_top_mean": round(sum(recalls) / len(recalls), 4),
-        "coef_l1_kept_mean": round(sum(kept_true) / len(kept_true), 4),
-        "calibration_tokens_per_layer": int(X_all[0].shape[0]),
-        "calibration_s": round(time.perf_counter() - t0, 2),
-        "threshold_rule": "median over tokens of the per-token k-th smallest |score|, "
-                          "k = round(s * intermediate_size)",
-    }
-    if mode == "d":
-        pbytes = 2 * (H * rank + rank * I) * 4
-        stats.update(predictor="low-rank reduced-rank regression of gate and up: "
-                               "act(x Vg Ug) * (x Vu Uu)",
-                     predictor_bytes_per_layer=pbytes, mlp_bytes_per_layer_fp32=mlp_bytes,
-                     predictor_fraction_of_mlp=round(pbytes / mlp_bytes, 4))
-    return CountdownSpec(mode, s, taus, rank if mode == "d" else None, preds or None,
-                         act_name, stats)
+    out = []
+    for s in ss:
+        if s == 0.0:
+            out.append(CountdownSpec(mode, 0.0, [-1.0] * L, rank if mode == "d" else None,
+                                     None, act_name, {"realised_sparsity": [0.0] * L,
+                                                      "realised_sparsity_mean": 0.0,
+                                                      "calibration_s": 0.0}))
+            continue
+        a = acc[s]
+        stats: dict[str, Any] = {
+            "realised_sparsity": [round(r, 4) for r in a["real"]],
+            "realised_sparsity_mean": round(sum(a["real"]) / L, 4),
+            "recall_top": [round(r, 4) for r in a["recall"]],
+            "recall_top_mean": round(sum(a["recall"]) / L, 4),
+            "coef_l1_kept_mean": round(sum(a["l1"]) / L, 4),
+            "calibration_tokens_per_layer": int(X_all[0].shape[0]),
+            "calibration_s": secs,
+            "threshold_rule": "median over tokens of the per-token k-th smallest |score|, "
+                              "k = round(s * intermediate_size)",
+        }
+        if mode == "d":
+            pbytes = 2 * (H * rank + rank * I) * 4
+            stats.update(predictor="low-rank reduced-rank regression of gate and up: "
+                                   "act(x Vg Ug) * (x Vu Uu)",
+                         predictor_bytes_per_layer=pbytes, mlp_bytes_per_layer_fp32=mlp_bytes,
+                         predictor_fraction_of_mlp=round(pbytes / mlp_bytes, 4))
+        out.append(CountdownSpec(mode, s, a["taus"], rank if mode == "d" else None,
+                                 preds or None, act_name, stats))
+    return out
 
 
 # ----------------------------------------------------------------------- evaluation
@@ -466,38 +496,72 @@ def evaluate(model, tokenizer, spec: CountdownSpec, text=None, *, seqlen: int = 
              nwindows: Optional[int] = 40, progress: bool = False) -> dict:
     """Teacher-forced quality of the filtered model vs the same model unfiltered.
 
-    Uses :func:`edgeprune.evaluate.fidelity` (WikiText-2 protocol: no BOS, windows of
-    ``seqlen``) with the filter applied at every position.
+    Same protocol as :func:`edgeprune.evaluate.fidelity` (WikiText-2 style: no BOS,
+    non-overlapping windows of ``seqlen``), with the filter applied at every position.
 
     Returns:
         ``{"ppl_dense", "ppl", "ppl_increase_pct", "kl", "top1_agree",
-        "realised_sparsity", "protocol"}``; KL in nats/token, realised sparsity = fraction
-        of coefficients skipped over all scored positions and layers.
+        "realised_sparsity", "protocol"}``; KL(dense || filtered) in nats/token,
+        realised sparsity = fraction of coefficients skipped over all scored positions
+        and layers.
     """
-    from .evaluate import fidelity
-
-    counters: list = []
-    tot = [0, 0]
-
-    def filtered(ids):
-        with apply_reference(model, spec, counters):
-            out = model(ids, use_cache=False).logits
-        tot[0] += sum(k for k, _ in counters)
-        tot[1] += sum(n for _, n in counters)
-        return out
-
-    def dense(ids):
-        return model(ids, use_cache=False).logits
-
-    r = fidelity(dense, filtered, tokenizer, text, seqlen=seqlen, nwindows=nwindows,
-                 progress=progress)
-    return {"ppl_dense": r.ppl_dense, "ppl": r.ppl,
-            "ppl_increase_pct": 100.0 * (r.ppl / r.ppl_dense - 1.0), "kl": r.kl,
-            "top1_agree": r.top1_agree,
-            "realised_sparsity": 1.0 - tot[0] / max(tot[1], 1),
-            "protocol": r.protocol.to_dict()}
+    return evaluate_many(model, tokenizer, [spec], text, seqlen=seqlen, nwindows=nwindows,
+                         progress=progress)[0]
 
 
-__all__ = ["CountdownSpec", "calibrate", "apply_reference", "evaluate", "filtered_mlp",
+@torch.no_grad()
+def evaluate_many(model, tokenizer, specs, text=None, *, seqlen: int = 512,
+                  nwindows: Optional[int] = 40, progress: bool = False,
+                  logits_fns: Optional[dict] = None) -> list:
+    """:func:`evaluate` for several specs, computing the dense logits once per window.
+
+    Args:
+        logits_fns: optional ``{index: fn(ids [1,S]) -> logits}`` replacing the PyTorch
+            reference of ``specs[index]`` (e.g. an always-sparse ONNX session), so the
+            exported graph is scored under the same protocol.
+    """
+    from .evaluate import eval_windows
+
+    windows, proto = eval_windows(tokenizer, text, seqlen=seqlen, nwindows=nwindows)
+    n = len(specs)
+    acc = [dict(kl=0.0, agree=0.0, nll=0.0, kept=0, total=0) for _ in range(n)]
+    nll_d = 0.0
+    it = windows
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(windows, desc="countdown eval", unit="win", leave=False)
+    for w in it:
+        ids = w[None]
+        ld = F.log_softmax(model(ids, use_cache=False).logits[0, :-1].float(), -1)
+        nll_d += F.nll_loss(ld, w[1:], reduction="sum").item()
+        pd = ld.exp()
+        for j, spec in enumerate(specs):
+            counters: list = []
+            if logits_fns and j in logits_fns:
+                lo = logits_fns[j](ids)
+                lo = lo if isinstance(lo, torch.Tensor) else torch.from_numpy(lo)
+            else:
+                with apply_reference(model, spec, counters):
+                    lo = model(ids, use_cache=False).logits
+            lm = F.log_softmax(lo[0, :-1].float(), -1)
+            a = acc[j]
+            a["kl"] += (pd * (ld - lm)).sum().item()
+            a["agree"] += (ld.argmax(-1) == lm.argmax(-1)).sum().item()
+            a["nll"] += F.nll_loss(lm, w[1:], reduction="sum").item()
+            a["kept"] += sum(k for k, _ in counters)
+            a["total"] += sum(t for _, t in counters)
+    N = proto.ntokens_scored
+    ppl_d = math.exp(nll_d / N)
+    out = []
+    for a in acc:
+        ppl = math.exp(a["nll"] / N)
+        out.append({"ppl_dense": ppl_d, "ppl": ppl, "ppl_increase_pct": 100.0 * (ppl / ppl_d - 1),
+                    "kl": a["kl"] / N, "top1_agree": a["agree"] / N,
+                    "realised_sparsity": (1.0 - a["kept"] / a["total"]) if a["total"] else None,
+                    "protocol": proto.to_dict()})
+    return out
+
+
+__all__ = ["CountdownSpec", "calibrate", "calibrate_many", "evaluate_many", "apply_reference", "evaluate", "filtered_mlp",
            "keep_mask", "predictor_score", "lowrank_factors", "per_token_threshold",
            "collect_mlp_inputs", "gated_mlps", "check_act_sparsity", "check_mode", "MODES"]

@@ -204,7 +204,8 @@ class CountdownMixin:
         tau = float(spec.thresholds[i])
         silu = lambda t, n: sb.mul(t, sb.node("Sigmoid", [t]), name=n)  # noqa: E731
         up_full = None
-        if spec.mode == "m":
+        p = spec.predictor_arrays(i) if spec.mode == "d" else {}
+        if spec.mode == "m" or not p:          # D at act_sparsity 0 has no predictor
             if w["int"]:
                 saved, self.g = self.g, sb
                 try:
@@ -216,7 +217,6 @@ class CountdownMixin:
                 up_full = sb.node("Gemm", [x2, w["up_proj"]], name=name + ".up_proj", transB=1)
             score = up_full
         else:
-            p = spec.predictor_arrays(i)
             ini = lambda k: self.g.initializer(f"{name}.countdown.{k}",  # noqa: E731
                                                p[k].astype(self.fdtype))
             pg = sb.matmul(sb.matmul(x2, ini("v_gate")), ini("u_gate"), name=name + "/pred_gate")

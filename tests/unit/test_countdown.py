@@ -1,0 +1,308 @@
+"""COUNTDOWN (issue 6): calibration, exact reference, ONNX sparse-decode graph, runtime flag."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from _h3_tiny import tiny_tokenizer
+from edgeprune import countdown as cd
+from edgeprune.errors import ConfigError, UnsupportedArchitectureError
+from runtime.errors import ExportError, RuntimeLoadError
+
+
+def _calib(n=4, s=32, seed=1):
+    return torch.randint(0, 255, (n, s), generator=torch.Generator().manual_seed(seed))
+
+
+def _ids(n=24, seed=0):
+    return np.random.RandomState(seed).randint(0, 255, (1, n)).astype(np.int64)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from conftest import _tiny
+    from transformers import LlamaConfig
+    torch.set_num_threads(1)
+    return _tiny(LlamaConfig), tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def specs(tiny):
+    model, _ = tiny
+    m = cd.calibrate_many(model, _calib(), [0.0, 0.5, 0.7], "m")
+    d = cd.calibrate_many(model, _calib(), [0.0, 0.5, 0.7], "d", rank=8)
+    return {"m": m, "d": d}
+
+
+def _export(tmp_path, tiny, spec, name, **kw):
+    from exporters.countdown import export_countdown
+    model, tok = tiny
+    kw.setdefault("max_length", 128)
+    return export_countdown(model, tok, tmp_path / name, spec, **kw)
+
+
+# --------------------------------------------------------------- calibration/reference
+@pytest.mark.parametrize("mode", ["m", "d"])
+def test_sparsity_zero_equals_dense(tiny, specs, mode):
+    model, _ = tiny
+    spec = specs[mode][0]
+    assert spec.thresholds == [-1.0, -1.0]
+    ids = torch.from_numpy(_ids())
+    with torch.no_grad():
+        dense = model(ids).logits
+        cnt: list = []
+        with cd.apply_reference(model, spec, cnt):
+            filt = model(ids).logits
+    assert torch.equal(dense, filt)
+    assert all(k == n for k, n in cnt)
+    # forward restored
+    assert "forward" not in model.model.layers[0].mlp.__dict__
+
+
+@pytest.mark.parametrize("mode", ["m", "d"])
+def test_calibration_hits_target_and_filters(tiny, specs, mode):
+    model, _ = tiny
+    for spec in specs[mode][1:]:
+        real = spec.stats["realised_sparsity_mean"]
+        assert abs(real - spec.act_sparsity) < 0.08, (spec.act_sparsity, real)
+        assert 0.0 < spec.stats["recall_top_mean"] <= 1.0
+        ids = torch.from_numpy(_ids(seed=3))
+        cnt: list = []
+        with torch.no_grad(), cd.apply_reference(model, spec, cnt):
+            out = model(ids).logits
+        skipped = 1 - sum(k for k, _ in cnt) / sum(n for _, n in cnt)
+        assert abs(skipped - spec.act_sparsity) < 0.15
+        assert not torch.allclose(out, model(ids).logits)
+    if mode == "d":
+        st = specs["d"][1].stats
+        assert st["predictor_bytes_per_layer"] == 2 * (64 * 8 + 8 * 160) * 4
+        assert st["predictor_fraction_of_mlp"] == round(st["predictor_bytes_per_layer"] /
+                                                        (3 * 64 * 160 * 4), 4)
+
+
+def test_reference_matches_manual_mask(tiny, specs):
+    """M keeps exactly |up(x)| > tau: compare with a hand-written masked MLP."""
+    model, _ = tiny
+    spec = specs["m"][1]
+    mlp = model.model.layers[1].mlp
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    tau = spec.thresholds[1]
+    with torch.no_grad():
+        u = x @ mlp.up_proj.weight.T
+        c = torch.nn.functional.silu(x @ mlp.gate_proj.weight.T) * u
+        want = (c * (u.abs() > tau)) @ mlp.down_proj.weight.T
+        got = cd.filtered_mlp(mlp, x, "m", tau)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_spec_save_load_roundtrip(tmp_path, specs):
+    spec = specs["d"][2]
+    spec.save(tmp_path / "cd")
+    back = cd.CountdownSpec.load(tmp_path / "cd")
+    assert back.thresholds == pytest.approx(spec.thresholds)
+    assert back.mode == "d" and back.rank == 8
+    for k in ("v_gate", "u_gate", "v_up", "u_up"):
+        assert torch.equal(back.predictors[1][k], spec.predictors[1][k])
+    assert json.loads((tmp_path / "cd" / "countdown.json").read_text())["act_sparsity"] == 0.7
+
+
+# --------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5, float("nan"), "x", None])
+def test_bad_act_sparsity(tiny, bad):
+    model, _ = tiny
+    with pytest.raises(ConfigError, match="act_sparsity"):
+        cd.calibrate(model, _calib(), bad, "m")
+
+
+def test_bad_mode_and_rank(tiny):
+    model, _ = tiny
+    with pytest.raises(ConfigError, match="mode"):
+        cd.calibrate(model, _calib(), 0.5, "q")
+    with pytest.raises(ConfigError, match="rank"):
+        cd.calibrate(model, _calib(), 0.5, "d", rank=0)
+
+
+def test_non_gated_mlp_is_rejected():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    m = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)).eval()
+    with pytest.raises(UnsupportedArchitectureError, match="model.layers"):
+        cd.calibrate(m, _calib(1, 8), 0.5, "m")
+
+    class Plain(torch.nn.Module):          # llama-like container, non-gated MLP
+        def __init__(self):
+            super().__init__()
+            layer = torch.nn.Module()
+            layer.mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                            torch.nn.Linear(16, 8))
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList([layer])
+
+    with pytest.raises(UnsupportedArchitectureError, match="not gated"):
+        cd.gated_mlps(Plain())
+
+
+def test_spec_layer_mismatch(tiny, specs):
+    model, _ = tiny
+    spec = cd.CountdownSpec("m", 0.5, [0.1])
+    with pytest.raises(ConfigError, match="layers"):
+        with cd.apply_reference(model, spec):
+            pass
+
+
+# ------------------------------------------------------------------------------ ONNX
+@pytest.mark.parametrize("mode", ["m", "d"])
+def test_onnx_sparse_graph_equals_reference(tmp_path, tiny, specs, mode):
+    """Always-sparse graph == PyTorch reference at every position (fp32)."""
+    import runtime
+    model, tok = tiny
+    spec = specs[mode][2]
+    res = _export(tmp_path, tiny, spec, "sp", graph_mode="sparse")
+    meta = res.metadata["countdown"]
+    assert meta["graph_mode"] == "sparse" and meta["mode"] == mode
+    ids = _ids(30, seed=5)
+    lo = runtime.load(res.folder, threads=1).logits(ids)
+    with torch.no_grad(), cd.apply_reference(model, spec):
+        ref = model(torch.from_numpy(ids)).logits.numpy()
+    dense = model(torch.from_numpy(ids)).logits.detach().numpy()
+    assert np.abs(lo - ref).max() < 1e-4
+    assert np.abs(lo - dense).max() > 1e-2          # the filter really acts
+
+
+@pytest.mark.parametrize("mode", ["m", "d"])
+def test_onnx_selects_same_coefficients(tmp_path, tiny, specs, mode):
+    """The row indices the graph gathers == the reference's kept coefficients."""
+    model, tok = tiny
+    spec = specs[mode][1]
+    res = _export(tmp_path, tiny, spec, "plain", graph_mode="sparse", graph="plain",
+                  validate=False)
+    m = onnx.load(str(res.folder / "model.onnx"))
+    nz = {n.output[0]: n.name for n in m.graph.node if n.op_type == "NonZero"}
+    idx_names = {}
+    for n in m.graph.node:
+        if n.op_type == "Reshape" and n.input[0] in nz:
+            layer = int(nz[n.input[0]].split(".")[1].split("/")[0])
+            idx_names[layer] = n.output[0]
+            m.graph.output.append(onnx.helper.make_tensor_value_info(n.output[0],
+                                                                     onnx.TensorProto.INT64, None))
+    assert sorted(idx_names) == [0, 1]
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    for seed, S in ((0, 1), (1, 1), (2, 5)):
+        ids = _ids(S, seed=seed)
+        feed = {"input_ids": ids, "attention_mask": np.ones_like(ids),
+                "position_ids": np.arange(S)[None], "num_logits_to_keep": np.array(1)}
+        for i in range(2):
+            for kv in ("key", "value"):
+                feed[f"past_key_values.{i}.{kv}"] = np.zeros((1, 2, 0, 16), np.float32)
+        outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
+        # reference masks from the MLP inputs of the filtered model
+        xs = {}
+        hooks = [model.model.layers[i].mlp.register_forward_pre_hook(
+            lambda mod, a, _i=i: xs.__setitem__(_i, a[0].detach())) for i in range(2)]
+        with torch.no_grad(), cd.apply_reference(model, spec):
+            model(torch.from_numpy(ids))
+        for h in hooks:
+            h.remove()
+        for i in range(2):
+            pred = spec.predictors[i] if spec.predictors else None
+            keep = cd.keep_mask(model.model.layers[i].mlp, xs[i][0], mode, spec.thresholds[i],
+                                pred)
+            want = torch.nonzero(keep.any(0)).flatten().numpy()
+            np.testing.assert_array_equal(outs[idx_names[i]], want)
+            assert outs["countdown_kept"][i] == len(want)
+
+
+def test_if_graph_dense_prefill_sparse_decode_and_flag(tmp_path, tiny, specs):
+    import runtime.countdown
+    from runtime.countdown import CountdownSession
+    model, tok = tiny
+    spec = specs["d"][2]
+    res = _export(tmp_path, tiny, spec, "if")
+    assert res.parity["max_abs_logit_diff"] < 1e-4          # prefill (S>1) is dense
+    ids = _ids(12, seed=7)
+    s = CountdownSession(res.folder, threads=1)
+    s.eos_token_ids = []
+    r = s.generate(list(ids[0]), max_new_tokens=6)
+    rep = s.mlp_read_report()
+    assert rep["decode_steps"] == 5
+    assert 0.02 < rep["kept_fraction_mean"] < 0.6
+    k = np.stack(s.kept_log).astype(float)                      # [steps, layers]
+    pred = 2 * (64 * 8 + 8 * 160)
+    want = (3 * k * 64 + pred).sum(1).mean() / (3 * 160 * 64 * 2)
+    assert rep["mlp_bytes_fraction"] == pytest.approx(want)
+    # greedy tokens == reference decoding with the filter at every decode position
+    seq = list(ids[0])
+    with torch.no_grad():
+        lo = model(torch.tensor([seq])).logits[0, -1]
+        seq.append(int(lo.argmax()))
+        for _ in range(5):     # prompt positions dense (prefill), later ones filtered
+            seq.append(int(_decode_reference(model, spec, seq, len(ids[0])).argmax()))
+    assert r.token_ids[0] == seq[len(ids[0]):]
+    # flag off: dense decode from the same file == the plain export
+    off = runtime.countdown.load(res.folder, threads=1, countdown=False)
+    off.eos_token_ids = []
+    r_off = off.generate(list(ids[0]), max_new_tokens=6)
+    dense_seq = model.generate(torch.from_numpy(ids), max_new_tokens=6, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert r_off.token_ids[0] == dense_seq
+    assert off.mlp_read_report()["mlp_bytes_fraction"] == 1.0
+    with pytest.raises(RuntimeLoadError, match="COUNTDOWN"):
+        from exporters import export_onnx
+        export_onnx(model, tok, tmp_path / "plain_dense", max_length=128, validate=False)
+        CountdownSession(tmp_path / "plain_dense")
+
+
+def _decode_reference(model, spec, seq, n_prompt):
+    """Logits of the last token when prompt positions are dense and later ones filtered."""
+    n = len(seq)
+    ids = torch.tensor([seq])
+    mlps = cd.gated_mlps(model)
+    saved = []
+    for i, mlp in enumerate(mlps):
+        pred = spec.predictors[i] if spec.predictors else None
+
+        def fwd(x, _m=mlp, _t=spec.thresholds[i], _p=pred):
+            y = _m.down_proj(_m.act_fn(_m.gate_proj(x)) * _m.up_proj(x))
+            yf = cd.filtered_mlp(_m, x, spec.mode, _t, _p)
+            y = y.clone()
+            y[:, n_prompt:] = yf[:, n_prompt:]
+            return y
+        mlp.forward = fwd
+        saved.append(mlp)
+    try:
+        return model(ids).logits[0, n - 1]
+    finally:
+        for mlp in saved:
+            mlp.__dict__.pop("forward", None)
+
+
+def test_int4_export_runs_and_records_granularity(tmp_path, tiny, specs):
+    import runtime
+    model, tok = tiny
+    spec = specs["m"][1]
+    res = _export(tmp_path, tiny, spec, "q4", precision="int4", group_size=16)
+    meta = json.loads((res.folder / "edgeprune.json").read_text())["countdown"]
+    assert meta["int4"]["rows"].startswith("GatherBlockQuantized")
+    assert "g16" in meta["int4"]["down_t"]
+    s = runtime.load(res.folder, threads=1)
+    r = s.generate(list(_ids(8)[0]), max_new_tokens=4)
+    assert len(r.token_ids[0]) == 4
+    ops = {n.op_type for n in onnx.load(str(res.folder / "model.onnx")).graph.node}
+    assert "If" in ops
+
+
+def test_export_bad_inputs(tmp_path, tiny, specs):
+    from exporters.countdown import export_countdown
+    model, tok = tiny
+    with pytest.raises(ExportError, match="graph_mode"):
+        export_countdown(model, tok, tmp_path / "a", specs["m"][1], graph_mode="both")
+    with pytest.raises(ExportError, match="layers"):
+        export_countdown(model, tok, tmp_path / "b", cd.CountdownSpec("m", 0.5, [0.1]))
