@@ -256,7 +256,8 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
                 # (the pruned path is tested against edgeprune.leank.apply_reference)
                 ptok = min(ptok, leank_sink + leank_window)
             parity.update(run_parity(model, tmp, seqlen=ptok,
-                                     int_weights=builder.int_weights))
+                                     int_weights=builder.int_weights,
+                                     tokenizer=tokenizer))
             timings["validate_s"] = round(time.perf_counter() - tv, 3)
             metadata["validation"] = parity
             write_json(tmp / "edgeprune.json", metadata)

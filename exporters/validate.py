@@ -64,8 +64,35 @@ class substituted_weights:
         self.saved.clear()
 
 
+SAMPLE_TEXT = (
+    "The tower is 324 metres tall, about the same height as an 81-storey building, and the "
+    "tallest structure in Paris. Its base is square, measuring 125 metres on each side. "
+    "During its construction, the Eiffel Tower surpassed the Washington Monument to become "
+    "the tallest man-made structure in the world, a title it held for 41 years until the "
+    "Chrysler Building in New York City was finished in 1930. It was the first structure to "
+    "reach a height of 300 metres. Due to the addition of a broadcasting aerial at the top of "
+    "the tower in 1957, it is now taller than the Chrysler Building by 5.2 metres. Excluding "
+    "transmitters, the Eiffel Tower is the second tallest free-standing structure in France "
+    "after the Millau Viaduct. ")
+
+
+def window_ids(tokenizer, vocab: int, seqlen: int, seed: int = 0) -> np.ndarray:
+    """``int64 [1, seqlen]``: a built-in English passage (repeated) when a tokenizer is
+    given, random ids otherwise."""
+    if tokenizer is not None:
+        try:
+            ids = tokenizer(SAMPLE_TEXT * 8, add_special_tokens=False)["input_ids"]
+            ids = [i for i in ids if i < vocab]
+            if len(ids) >= seqlen:
+                return np.array([ids[:seqlen]], dtype=np.int64)
+        except Exception:  # noqa: BLE001  (fall back to random ids)
+            pass
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab, size=(1, seqlen), dtype=np.int64)
+
+
 def parity(model, folder: Path, seqlen: int = 64, seed: int = 0,
-           int_weights: dict | None = None) -> dict:
+           int_weights: dict | None = None, tokenizer=None) -> dict:
     """Run one window of token ids through the torch model and the exported folder.
 
     Args:
@@ -80,9 +107,7 @@ def parity(model, folder: Path, seqlen: int = 64, seed: int = 0,
 
     import runtime
 
-    rng = np.random.default_rng(seed)
-    vocab = model.config.vocab_size
-    ids = rng.integers(0, vocab, size=(1, seqlen), dtype=np.int64)
+    ids = window_ids(tokenizer, model.config.vocab_size, seqlen, seed)
     with torch.no_grad():
         dense = model(torch.from_numpy(ids)).logits.float().numpy()
         if int_weights:

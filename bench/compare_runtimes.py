@@ -1,0 +1,275 @@
+"""Our int4 ONNX export + runtime vs onnxruntime-genai's int4 model, side by side.
+
+Both models come from the same weights (SmolLM2-135M-Instruct dequantized to fp32):
+ours via ``exporters.export_onnx(precision="int4")`` (RTN asym, group 32, accuracy
+level 4, 8-bit lm_head shared with the embedding), theirs via onnxruntime-genai's model
+builder (``-p int4 -e cpu``: RTN sym block 32, accuracy level 4, int4 lm_head) run in
+its own virtualenv ``.venv-ortgenai``. Each measurement runs in a fresh subprocess:
+batch 1, a 128-token WikiText-2 prompt (the same ids for both), 128 greedy new tokens
+(EOS ignored), 1 and 2 intra-op threads, KV cache sized 256 for both. Reported: decode
+tokens/s (127 steps after the first token), time to first token, peak RSS (the kernel's
+``VmHWM`` of the worker, cross-checked by psutil polling from the parent), model file
+size; medians over ``--repeat`` runs, ratios ours/theirs.
+
+    python bench/compare_runtimes.py --quick --json bench/results/compare_runtimes.json
+
+JSON: a list of ``{"case", "metric", "ours", "peer", "theirs"}`` with metrics
+``decode_tok_s``, ``ttft_ms``, ``peak_rss_mb``, ``file_mb``; cases ``int4-t1``,
+``int4-t2``; peer ``onnxruntime-genai``. A peer failure is recorded (``theirs`` null,
+``error`` set), never hidden. Timings on a shared 2-core machine are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER = "onnxruntime-genai"
+PROMPT_LEN, NEW_TOKENS, MAX_LENGTH = 128, 128, 256
+
+
+# ----------------------------------------------------------------------------- workers
+def _vm_hwm() -> int:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def worker_ours(folder: str, threads: int, ids: list[int], new: int) -> dict:
+    sys.path.insert(0, str(ROOT))
+    import runtime
+    t0 = time.perf_counter()
+    s = runtime.load(folder, threads=threads, max_length=MAX_LENGTH)
+    load_s = time.perf_counter() - t0
+    s.eos_token_ids = []                      # always generate `new` tokens
+    s.generate(ids[:16], max_new_tokens=4)    # warm-up (kernels, arena)
+    r = s.generate(ids, max_new_tokens=new)
+    return {"decode_tok_s": r.decode_tok_s, "ttft_ms": r.ttft_ms, "load_s": load_s,
+            "n_tokens": len(r.token_ids[0]), "peak_rss_bytes": _vm_hwm(),
+            "tokens": r.token_ids[0][:16]}
+
+
+def worker_genai(folder: str, threads: int, ids: list[int], new: int) -> dict:
+    import numpy as np
+    import onnxruntime_genai as og
+    t0 = time.perf_counter()
+    cfg = og.Config(folder)
+    model = og.Model(cfg)
+    tokenizer = og.Tokenizer(model)           # an app needs it (ours loads its tokenizer too)
+    load_s = time.perf_counter() - t0
+
+    def run(prompt, n):
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=MAX_LENGTH, min_length=len(prompt) + n,
+                                  do_sample=False)
+        gen = og.Generator(model, params)
+        t = time.perf_counter()
+        gen.append_tokens(np.array(prompt, dtype=np.int32))
+        gen.generate_next_token()
+        out = [int(gen.get_next_tokens()[0])]
+        ttft = time.perf_counter() - t
+        td = time.perf_counter()
+        while len(out) < n and not gen.is_done():
+            gen.generate_next_token()
+            out.append(int(gen.get_next_tokens()[0]))
+        dec = time.perf_counter() - td
+        return out, ttft, dec
+
+    run(ids[:16], 4)
+    out, ttft, dec = run(ids, new)
+    tokenizer.decode(np.array(out, dtype=np.int32))
+    return {"decode_tok_s": (len(out) - 1) / dec, "ttft_ms": ttft * 1e3, "load_s": load_s,
+            "n_tokens": len(out), "peak_rss_bytes": _vm_hwm(), "tokens": out[:16]}
+
+
+# ----------------------------------------------------------------------------- driver
+def _run_worker(py: Path, impl: str, folder: Path, threads: int, prompt: Path, new: int,
+                timeout: float = 600) -> dict:
+    import psutil
+    cmd = [str(py), str(Path(__file__).resolve()), "--worker", impl, "--folder", str(folder),
+           "--threads", str(threads), "--prompt", str(prompt), "--new", str(new)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = psutil.Process(p.pid)
+    sampled = 0
+    t0 = time.time()
+    while p.poll() is None:
+        try:
+            sampled = max(sampled, proc.memory_info().rss)
+        except psutil.Error:
+            pass
+        if time.time() - t0 > timeout:
+            p.kill()
+            break
+        time.sleep(0.02)
+    out, err = p.communicate()
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if p.returncode or not lines:
+        return {"error": f"rc={p.returncode}: {(err or out)[-1500:]}"}
+    rec = json.loads(lines[-1])
+    rec["psutil_peak_rss_bytes"] = sampled
+    return rec
+
+
+def _prepare(work: Path, log, rebuild: bool) -> dict:
+    """Export ours, build theirs (own venv), write the prompt. Returns paths/errors."""
+    sys.path.insert(0, str(ROOT))
+    info: dict = {"errors": {}}
+    ours, hf, theirs = work / "ours-int4", work / "hf-fp32", work / "genai-int4"
+    prompt = work / "prompt.json"
+    need_model = rebuild or not (ours / "model.onnx").exists() or not (hf / "config.json").exists()
+    if need_model or not prompt.exists():
+        from edgeprune.models import load_model
+        import exporters
+        model, tok = load_model("smollm2-135m")
+        if rebuild or not (ours / "model.onnx").exists():
+            t = time.perf_counter()
+            res = exporters.export_onnx(model, tok, ours, precision="int4", overwrite=True,
+                                        max_length=2048, provenance={"bench": "compare_runtimes"})
+            log(f"ours: exported in {time.perf_counter() - t:.1f}s: {res.summary()}")
+        if rebuild or not (hf / "config.json").exists():
+            model.save_pretrained(hf)
+            tok.save_pretrained(hf)
+        text = (ROOT.parent / "shared" / "data" / "wikitext2" / "wiki.test.raw").read_text()
+        ids = tok(text[:20000], add_special_tokens=False)["input_ids"][1000:1000 + PROMPT_LEN]
+        prompt.write_text(json.dumps(ids))
+        del model
+    info["ours"] = ours
+    # the peer: own venv + its model builder
+    from bench._peers import ensure_venv
+    try:
+        py = ensure_venv("ortgenai", ["onnxruntime-genai", "transformers", "onnx", "onnxruntime",
+                                      "numpy", "psutil", "safetensors"],
+                         check_import="onnxruntime_genai", log=work / "venv-ortgenai.log")
+        info["genai_py"] = py
+        if rebuild or not (theirs / "model.onnx").exists():
+            shutil.rmtree(theirs, ignore_errors=True)
+            t = time.perf_counter()
+            r = subprocess.run([str(py), "-m", "onnxruntime_genai.models.builder", "-i", str(hf),
+                                "-o", str(theirs), "-p", "int4", "-e", "cpu", "-c",
+                                str(work / "genai-cache")], capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"builder failed: {(r.stderr or r.stdout)[-1500:]}")
+            log(f"theirs: built in {time.perf_counter() - t:.1f}s")
+        info["theirs"] = theirs
+    except Exception as e:  # noqa: BLE001  (record the peer failure)
+        info["errors"][PEER] = str(e)
+        log(f"peer {PEER} unavailable: {e}")
+    info["prompt"] = prompt
+    return info
+
+
+def _thread_folder(base: Path, threads: int) -> Path:
+    """A copy of the genai folder whose genai_config.json pins intra_op_num_threads."""
+    d = base.parent / f"{base.name}-t{threads}"
+    d.mkdir(exist_ok=True)
+    for f in base.iterdir():
+        if f.name != "genai_config.json" and not (d / f.name).exists():
+            (d / f.name).symlink_to(f.resolve())
+    cfg = json.loads((base / "genai_config.json").read_text())
+    so = cfg["model"]["decoder"].setdefault("session_options", {})
+    so["intra_op_num_threads"] = threads
+    so["inter_op_num_threads"] = 1
+    cfg["search"]["max_length"] = MAX_LENGTH
+    (d / "genai_config.json").write_text(json.dumps(cfg, indent=2))
+    return d
+
+
+def _size_mb(folder: Path) -> float:
+    return sum(f.stat().st_size for f in Path(folder).iterdir()
+               if f.name.startswith("model.onnx")) / 2 ** 20
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", type=Path, help="write records here")
+    ap.add_argument("--quick", action="store_true", help="2 repeats (< 10 min)")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--work", type=Path, default=ROOT / "bench" / ".cache" / "compare_runtimes")
+    ap.add_argument("--rebuild", action="store_true")
+    ap.add_argument("--worker", choices=["ours", "genai"], help=argparse.SUPPRESS)
+    ap.add_argument("--folder", help=argparse.SUPPRESS)
+    ap.add_argument("--prompt", help=argparse.SUPPRESS)
+    ap.add_argument("--new", type=int, default=NEW_TOKENS, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        ids = json.loads(Path(a.prompt).read_text())
+        fn = worker_ours if a.worker == "ours" else worker_genai
+        print(json.dumps(fn(a.folder, a.threads[0], ids, a.new)))
+        return 0
+
+    a.work.mkdir(parents=True, exist_ok=True)
+    repeat = 2 if a.quick else a.repeat
+    log = lambda m: print(f"[compare_runtimes] {m}", flush=True)  # noqa: E731
+    info = _prepare(a.work, log, a.rebuild)
+    runs: dict = {}
+    for t in a.threads:
+        for rep in range(repeat):          # interleave ours/theirs to share the noise
+            r = _run_worker(Path(sys.executable), "ours", info["ours"], t, info["prompt"],
+                            NEW_TOKENS)
+            runs.setdefault(("ours", t), []).append(r)
+            if "theirs" in info:
+                r2 = _run_worker(info["genai_py"], "genai", _thread_folder(info["theirs"], t), t,
+                                 info["prompt"], NEW_TOKENS)
+                runs.setdefault(("theirs", t), []).append(r2)
+            log(f"t={t} rep {rep + 1}/{repeat}: ours {r.get('decode_tok_s', r.get('error'))}"
+                + (f", theirs {r2.get('decode_tok_s', r2.get('error'))}" if "theirs" in info
+                   else ""))
+
+    def med(impl, t, key):
+        vals = [r[key] for r in runs.get((impl, t), []) if key in r]
+        return statistics.median(vals) if vals else None
+
+    records = []
+    print(f"\n{'case':<9}{'metric':<14}{'ours':>10}{PEER:>20}{'ratio':>8}")
+    for t in a.threads:
+        case = f"int4-t{t}"
+        errs = [r["error"] for r in runs.get(("theirs", t), []) if "error" in r]
+        oerrs = [r["error"] for r in runs.get(("ours", t), []) if "error" in r]
+        rows = {
+            "decode_tok_s": (med("ours", t, "decode_tok_s"), med("theirs", t, "decode_tok_s")),
+            "ttft_ms": (med("ours", t, "ttft_ms"), med("theirs", t, "ttft_ms")),
+            "peak_rss_mb": tuple(None if v is None else v / 2 ** 20 for v in
+                                 (med("ours", t, "peak_rss_bytes"),
+                                  med("theirs", t, "peak_rss_bytes"))),
+            "file_mb": (_size_mb(info["ours"]),
+                        _size_mb(info["theirs"]) if "theirs" in info else None),
+        }
+        for metric, (o, th) in rows.items():
+            rec = {"case": case, "metric": metric, "ours": o, "peer": PEER, "theirs": th}
+            if errs or PEER in info["errors"]:
+                rec["error"] = (errs or [info["errors"].get(PEER)])[0]
+            if oerrs:
+                rec["ours_error"] = oerrs[0]
+            records.append(rec)
+            ratio = f"{o / th:.2f}x" if (o and th) else "-"
+            print(f"{case:<9}{metric:<14}{o if o is None else round(o, 1)!s:>10}"
+                  f"{th if th is None else round(th, 1)!s:>20}{ratio:>8}")
+        same = [r.get("tokens") for r in runs.get(("ours", t), [])[:1] +
+                runs.get(("theirs", t), [])[:1]]
+        if len(same) == 2:
+            n = sum(x == y for x, y in zip(*same))
+            print(f"{case:<9}first 16 greedy tokens equal: {n}/16 (different int4 grids)")
+    if a.json:
+        from bench._peers import write_json_records
+        write_json_records(a.json, records)
+        log(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
