@@ -128,8 +128,8 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     quantized = dict(quantized or {})
-    if lm_head is None:
-        lm_head = "q8" if precision == "int4" else "fp"
+    if lm_head is None:   # 8-bit head for int4 and compact 2:4 exports (small-model quality)
+        lm_head = "q8" if (precision == "int4" or compact_24) else "fp"
     if lm_head not in ("fp", "q8", "int4"):
         raise ExportError(f"lm_head='{lm_head}' is unknown", "use fp, q8 or int4")
     if compact_24 and not sparse_24:
