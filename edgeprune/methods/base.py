@@ -280,14 +280,20 @@ def damped_cholesky_inverse(H: torch.Tensor, percdamp: float, *, tries: int = 4
         return None, 0.0, 0
     base = max(percdamp, 1e-6) * mean_diag
     eye = torch.eye(n, dtype=H.dtype, device=H.device)
+    # With J the reversal permutation and J H J = L L^T (lower Cholesky),
+    # H^-1 = (J L^-1 J)^T (J L^-1 J), and J L^-1 J is upper triangular: it is the upper
+    # Cholesky factor of H^-1. One Cholesky and one triangular solve, instead of
+    # Cholesky + cholesky_inverse + Cholesky (same result, ~8x faster on CPU).
+    rev = torch.arange(n - 1, -1, -1, device=H.device)
+    Hr = H[rev][:, rev]
     for attempt in range(tries):
         damp = base * (10 ** attempt)
-        L, info = torch.linalg.cholesky_ex(H + damp * eye)
+        L, info = torch.linalg.cholesky_ex(Hr + damp * eye)
         if int(info) != 0:
             continue
-        Hinv = torch.cholesky_inverse(L)
-        U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
-        if int(info) == 0 and torch.isfinite(U).all():
+        Linv = torch.linalg.solve_triangular(L, eye, upper=False)
+        U = Linv[rev][:, rev]
+        if torch.isfinite(U).all() and bool((torch.diagonal(U) > 0).all()):
             return U, damp, attempt + 1
     return None, base * 10 ** (tries - 1), tries
 
@@ -306,6 +312,80 @@ def fix_dead_channels(H: torch.Tensor) -> torch.Tensor:
     return H
 
 
-__all__ = ["InputStats", "LayerTask", "LayerResult", "Method", "nm_keep_mask", "row_keep_mask",
+class OBSSweep:
+    """The column-by-column Optimal Brain Surgeon sweep shared by GPTQ and SparseGPT.
+
+    Algorithm 1 of GPTQ (Frantar et al. 2023) / SparseGPT (Frantar & Alistarh 2023): with
+    ``U`` the upper Cholesky factor of ``H^-1``, for each column ``j`` in order,
+    ``q_j = step(j, w_j)`` (rounded and/or pruned column), ``e_j = (w_j - q_j) / U_jj``,
+    and every later column ``k`` receives ``w_k -= e_j U_jk``.
+
+    The updates are applied lazily (exactly the same arithmetic, reordered): within a
+    sub-block of ``inner`` columns immediately (rank-1), to the rest of the outer block of
+    ``blocksize`` columns after each sub-block, and to the columns after the outer block
+    once per block (one matmul each). The weight is stored transposed (``[in, out]``) so
+    a column is contiguous. :meth:`fresh` returns the up-to-date values of any columns
+    ahead (with the pending updates applied), which methods use to pick group grids or
+    masks exactly regardless of the block sizes.
+    """
+
+    def __init__(self, W: torch.Tensor, U: torch.Tensor, blocksize: int = 128, inner: int = 32):
+        self.Wt = W.t().contiguous()
+        self.U = U
+        self.blocksize = blocksize
+        self.inner = min(inner, blocksize)
+        self.cols, self.out = self.Wt.shape
+        self.i1 = self.i2 = self.j1 = self.j2 = self.col = 0
+        self.Err = None
+
+    def run(self, step) -> torch.Tensor:
+        """Sweep all columns; ``step(col, w [out]) -> q [out]``. Returns ``Q [out, in]``."""
+        Wt, U = self.Wt, self.U
+        for i1 in range(0, self.cols, self.blocksize):
+            i2 = min(i1 + self.blocksize, self.cols)
+            self.i1, self.i2 = i1, i2
+            self.Err = Err = torch.zeros(i2 - i1, self.out, dtype=Wt.dtype, device=Wt.device)
+            for j1 in range(i1, i2, self.inner):
+                j2 = min(j1 + self.inner, i2)
+                self.j1, self.j2 = j1, j2
+                for col in range(j1, j2):
+                    self.col = col
+                    w = Wt[col]
+                    q = step(col, w)
+                    err = (w - q) / U[col, col]
+                    if col + 1 < j2:
+                        Wt[col + 1:j2].addr_(U[col, col + 1:j2], err, alpha=-1.0)
+                    Wt[col] = q
+                    Err[col - i1] = err
+                if j2 < i2:
+                    Wt[j2:i2].addmm_(U[j1:j2, j2:i2].t(), Err[j1 - i1:j2 - i1], alpha=-1.0)
+            if i2 < self.cols:
+                Wt[i2:].addmm_(U[i1:i2, i2:].t(), Err, alpha=-1.0)
+        return Wt.t()
+
+    def fresh(self, start: int, end: int) -> torch.Tensor:
+        """Current values ``[out, end-start]`` of columns ``start..end`` (``start >= col``)."""
+        Wt, U, c = self.Wt, self.U, self.col
+        end = min(end, self.cols)
+        parts = []
+        a1 = min(end, self.j2)
+        if start < a1:
+            parts.append(Wt[start:a1])
+        b0, b1 = max(start, self.j2), min(end, self.i2)
+        if b0 < b1:
+            blk = Wt[b0:b1]
+            if c > self.j1:
+                blk = blk - U[self.j1:c, b0:b1].t() @ self.Err[self.j1 - self.i1:c - self.i1]
+            parts.append(blk)
+        c0 = max(start, self.i2)
+        if c0 < end:
+            blk = Wt[c0:end]
+            if c > self.i1:
+                blk = blk - U[self.i1:c, c0:end].t() @ self.Err[:c - self.i1]
+            parts.append(blk)
+        return torch.cat(parts, 0).t()
+
+
+__all__ = ["OBSSweep", "InputStats", "LayerTask", "LayerResult", "Method", "nm_keep_mask", "row_keep_mask",
            "layer_keep_mask", "relative_error", "damped_cholesky_inverse", "fix_dead_channels",
            "pattern_name"]

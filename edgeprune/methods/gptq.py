@@ -41,7 +41,8 @@ from typing import Optional
 import torch
 
 from ..quantize import QuantizedWeight, check_quant_args, qparams, rtn_quantize
-from .base import (LayerResult, LayerTask, Method, damped_cholesky_inverse, fix_dead_channels)
+from .base import (LayerResult, LayerTask, Method, OBSSweep, damped_cholesky_inverse,
+                   fix_dead_channels)
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 64,
@@ -102,47 +103,38 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
     if U is None:
         return None, info
 
-    codes = torch.zeros(out, cols, device=dev)
+    codes = torch.zeros(cols, out, device=dev)  # transposed: one row per input column
     scales = torch.zeros(out, n_groups, device=dev)
     zeros = torch.zeros(out, n_groups, device=dev)
-    s = z = None
+    cur = {}
     if gs == cols:  # one group per row: grid from the whole row (order irrelevant)
         s, z = qparams(W, bits, sym)
         scales[:, 0], zeros[:, 0] = s[:, 0], z[:, 0]
+        cur["s"], cur["z"] = s[:, 0], z[:, 0]
+    maskt = None if mask is None else mask.t().contiguous()
+    sweep = OBSSweep(W, U, blocksize=blocksize)
 
-    for i1 in range(0, cols, blocksize):
-        i2 = min(i1 + blocksize, cols)
-        count = i2 - i1
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros(out, count, device=dev)
-        U1 = U[i1:i2, i1:i2]
-        M1 = None if mask is None else mask[:, i1:i2]
-        for i in range(count):
-            col = i1 + i
-            if static_s is not None:
-                g = int(perm[col]) // gs if perm is not None else col // gs
-                s, z = static_s[:, g:g + 1].squeeze(1), static_z[:, g:g + 1].squeeze(1)
-            elif gs < cols and col % gs == 0:
-                g = col // gs
-                seg = W1[:, i:i + gs] if i + gs <= count else torch.cat([W1[:, i:], W[:, i2:col + gs] - Err1[:, :i] @ U[i1:col, i2:col + gs]], 1)
-                if mask is not None:
-                    seg = seg * mask[:, col:col + gs]
-                s2, z2 = qparams(seg, bits, sym)
-                s, z = s2[:, 0], z2[:, 0]
-                scales[:, g], zeros[:, g] = s, z
-            elif gs == cols:
-                s, z = scales[:, 0], zeros[:, 0]
-            w = W1[:, i]
-            c = torch.clamp(torch.round(w / s) + z, 0, maxq)
-            if M1 is not None:
-                c = torch.where(M1[:, i], c, z)
-            q = (c - z) * s
-            codes[:, col] = c
-            err = (w - q) / U1[i, i]
-            W1[:, i:].addr_(err, U1[i, i:], alpha=-1.0)
-            Err1[:, i] = err
-        if i2 < cols:
-            W[:, i2:].addmm_(Err1, U[i1:i2, i2:], alpha=-1.0)
+    def step(col: int, w: torch.Tensor) -> torch.Tensor:
+        if static_s is not None:
+            g = int(perm[col]) // gs if perm is not None else col // gs
+            cur["s"], cur["z"] = static_s[:, g], static_z[:, g]
+        elif gs < cols and col % gs == 0:
+            g = col // gs
+            seg = sweep.fresh(col, col + gs)
+            if mask is not None:
+                seg = seg * mask[:, col:col + gs]
+            s2, z2 = qparams(seg, bits, sym)
+            cur["s"], cur["z"] = s2[:, 0], z2[:, 0]
+            scales[:, g], zeros[:, g] = cur["s"], cur["z"]
+        s, z = cur["s"], cur["z"]
+        c = torch.clamp(torch.round(w / s) + z, 0, maxq)
+        if maskt is not None:
+            c = torch.where(maskt[col], c, z)
+        codes[col] = c
+        return (c - z) * s
+
+    sweep.run(step)
+    codes = codes.t()
 
     g_idx = None
     if perm is not None:

@@ -30,8 +30,8 @@ from typing import Optional
 import torch
 
 from ..quantize import QuantizedWeight, check_quant_args, qparams, rtn_quantize
-from .base import (LayerResult, LayerTask, Method, damped_cholesky_inverse, fix_dead_channels,
-                   pattern_name)
+from .base import (LayerResult, LayerTask, Method, OBSSweep, damped_cholesky_inverse,
+                   fix_dead_channels, pattern_name)
 from .gptq import split_rows
 from .magnitude import magnitude_prune
 
@@ -82,17 +82,13 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, *, sparsity: float = 0.5, 
         zeros = torch.zeros(out, n_groups, device=dev)
     pruned = torch.zeros(out, cols, dtype=torch.bool, device=dev)
     diagU = torch.diagonal(U)
+    cur = {}
+    sweep = OBSSweep(W, U, blocksize=blocksize)
 
-    for i1 in range(0, cols, blocksize):
-        i2 = min(i1 + blocksize, cols)
-        count = i2 - i1
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros(out, count, device=dev)
-        U1 = U[i1:i2, i1:i2]
-        d1 = diagU[i1:i2]
-        P1 = pruned[:, i1:i2]
-        if not prune_n:
-            sal = (W1 / d1[None, :]) ** 2
+    def step(col: int, w: torch.Tensor) -> torch.Tensor:
+        if not prune_n and col == sweep.i1:  # adaptive mask of the next block of columns
+            i1, i2 = sweep.i1, sweep.i2
+            sal = (sweep.fresh(i1, i2) / diagU[None, i1:i2]) ** 2
             if prev_keep is not None:
                 sal = torch.where(prev_keep[:, i1:i2], sal, torch.full_like(sal, -1.0))
             for r0, r1 in bounds:
@@ -104,37 +100,32 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, *, sparsity: float = 0.5, 
                     idx = torch.argsort(seg.flatten(), stable=True)[:k]
                     flat = torch.zeros(seg.numel(), dtype=torch.bool, device=dev)
                     flat[idx] = True
-                    P1[r0:r1] = flat.reshape(seg.shape)
-        for i in range(count):
-            col = i1 + i
-            if prune_n and i % prune_m == 0:
-                sal = (W1[:, i:i + prune_m] / d1[None, i:i + prune_m]) ** 2
-                if prev_keep is not None:
-                    sal = torch.where(prev_keep[:, col:col + prune_m], sal, torch.full_like(sal, -1.0))
-                idx = torch.topk(sal, prune_m - prune_n, dim=1, largest=False).indices
-                P1[:, i:i + prune_m].scatter_(1, idx, True)
-            w = W1[:, i]
-            q = torch.where(P1[:, i], torch.zeros_like(w), w)
-            if quant:
-                if col % gs == 0:
-                    g = col // gs
-                    seg = W1[:, i:i + gs] if i + gs <= count else torch.cat([W1[:, i:], W[:, i2:col + gs] - Err1[:, :i] @ U[i1:col, i2:col + gs]], 1)
-                    known = P1[:, i:i + gs] if i + gs <= count else torch.cat(
-                        [P1[:, i:], torch.zeros(out, col + gs - i2, dtype=torch.bool, device=dev)], 1)
-                    s2, z2 = qparams(torch.where(known, torch.zeros_like(seg), seg), bits, sym)
-                    s, z = s2[:, 0], z2[:, 0]
-                    scales[:, g], zeros[:, g] = s, z
-                c = torch.clamp(torch.round(q / s) + z, 0, maxq)
-                c = torch.where(P1[:, i], z, c)
-                codes[:, col] = c
-                q = (c - z) * s
-            err = (w - q) / U1[i, i]
-            W1[:, i:].addr_(err, U1[i, i:], alpha=-1.0)
-            W1[:, i] = q
-            Err1[:, i] = err
-        W[:, i1:i2] = W1
-        if i2 < cols:
-            W[:, i2:].addmm_(Err1, U[i1:i2, i2:], alpha=-1.0)
+                    pruned[r0:r1, i1:i2] = flat.reshape(seg.shape)
+        if prune_n and col % prune_m == 0:
+            sal = (sweep.fresh(col, col + prune_m) / diagU[None, col:col + prune_m]) ** 2
+            if prev_keep is not None:
+                sal = torch.where(prev_keep[:, col:col + prune_m], sal, torch.full_like(sal, -1.0))
+            idx = torch.topk(sal, prune_m - prune_n, dim=1, largest=False).indices
+            pruned[:, col:col + prune_m].scatter_(1, idx, True)
+        p_col = pruned[:, col]
+        q = torch.where(p_col, torch.zeros_like(w), w)
+        if quant:
+            if col % gs == 0:
+                g = col // gs
+                seg = sweep.fresh(col, col + gs)
+                # weights already known to be pruned do not widen the grid
+                seg = torch.where(pruned[:, col:col + gs], torch.zeros_like(seg), seg)
+                s2, z2 = qparams(seg, bits, sym)
+                cur["s"], cur["z"] = s2[:, 0], z2[:, 0]
+                scales[:, g], zeros[:, g] = cur["s"], cur["z"]
+            s, z = cur["s"], cur["z"]
+            c = torch.clamp(torch.round(q / s) + z, 0, maxq)
+            c = torch.where(p_col, z, c)
+            codes[:, col] = c
+            q = (c - z) * s
+        return q
+
+    W = sweep.run(step)
 
     keep = ~pruned
     W = W * keep
