@@ -149,6 +149,77 @@ def eval_retrieval(model, tok, mask, cache: EvalCache, trials, sink, window, cha
     return r, False
 
 
+def dense_decode_speed(sess, context: int, steps: int = 16, warmup: int = 2) -> dict:
+    """Decode tokens/s of a dense fused (GQA, shared KV buffer) session with ``context``
+    cached tokens: the buffers are filled with random values and the row length set, so
+    no 2,048-token prefill is needed (the per-step work does not depend on the values)."""
+    rng = np.random.default_rng(0)
+    st = sess._prefill([[1]])
+    for arr in st["cache"].arrays:
+        arr[...] = rng.standard_normal(arr.shape).astype(arr.dtype)
+    times = []
+    for s in range(warmup + steps):
+        st["lens"][:] = context - 1
+        t0 = time.perf_counter()
+        sess._decode_step(st, np.array([1], np.int64))
+        if s >= warmup:
+            times.append(time.perf_counter() - t0)
+    med = float(np.median(times))
+    return {"tok_s": 1.0 / med, "step_ms": med * 1e3}
+
+
+def runtime_records(model, tok, masks, order, by_name, args, rec) -> list:
+    """Export (fp32 and int4 weights) and measure K/V cache bytes and decode speed."""
+    import exporters
+    import runtime
+    from edgeprune.leank import LeanKMask, kv_geometry
+    L, N, KV, D = kv_geometry(model)
+    out_root = CACHE / "exports"
+    ctx = 2048
+    variants = [("dense-gqa", None)] + [(n, by_name[n][2]) for n in order
+                                       if n in ("keep1.0", "keep0.3-learned", "keep0.3-magnitude",
+                                                "keep0.5-learned", "keep0.2-learned")]
+    speeds: dict = {}
+    for precision in ("fp32", "int4"):
+        for name, mask in variants:
+            if precision == "int4" and name not in ("dense-gqa", "keep1.0", "keep0.3-learned"):
+                continue
+            folder = out_root / f"{name}-{precision}"
+            cached = folder.exists() and not args.fresh
+            if not cached:
+                kw = {}
+                if name != "dense-gqa":
+                    kw = dict(leank=mask if mask is not None else LeanKMask.full(L, KV, D),
+                              leank_sink=args.sink, leank_window=args.window)
+                t0 = time.time()
+                r = exporters.export_onnx(model, tok, folder, precision=precision, graph="fused",
+                                          max_length=ctx + 64, overwrite=True, **kw)
+                _log(f"exported {folder.name} in {time.time() - t0:.0f}s: "
+                     f"parity {r.parity.get('max_abs_logit_diff')}")
+            sess = runtime.load(folder, threads=args.threads, max_length=ctx + 64)
+            sp = dense_decode_speed(sess, ctx) if name == "dense-gqa" else \
+                sess.decode_speed(ctx, steps=16)
+            speeds[(name, precision)] = sp["tok_s"]
+            sfx = "" if precision == "fp32" else "_int4"
+            rec(name, f"decode_tok_s_{ctx}{sfx}", sp["tok_s"])
+            if name != "dense-gqa" and precision == "fp32":
+                b = sess.kv_cache_bytes(ctx)
+                rec(name, "k_cache_fraction", b["k_middle"] / b["k_middle_dense"], cached)
+                rec(name, f"k_cache_middle_bytes_{ctx}", b["k_middle"], cached)
+                rec(name, f"k_cache_full_sink_window_bytes_{ctx}", b["k_full"], cached)
+                rec(name, f"k_cache_total_fraction_{ctx}", b["k"] / b["k_dense"], cached)
+                rec(name, f"kv_cache_total_fraction_{ctx}",
+                    (b["k"] + b["v"]) / (b["k_dense"] + b["v_dense"]), cached)
+            sess.close()
+    for (name, precision), v in speeds.items():
+        sfx = "" if precision == "fp32" else "_int4"
+        if name != "keep1.0" and ("keep1.0", precision) in speeds:
+            rec(name, f"decode_speedup_vs_keep1.0{sfx}", v / speeds[("keep1.0", precision)])
+        if name != "dense-gqa" and ("dense-gqa", precision) in speeds:
+            rec(name, f"decode_speedup_vs_dense_gqa{sfx}", v / speeds[("dense-gqa", precision)])
+    return []
+
+
 def main(argv=None):
     from edgeprune.leank import DEFAULT_ALIGNMENT, DEFAULT_SINK, DEFAULT_WINDOW
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -163,9 +234,9 @@ def main(argv=None):
     ap.add_argument("--sink", type=int, default=DEFAULT_SINK)
     ap.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     ap.add_argument("--alignment", type=int, default=DEFAULT_ALIGNMENT)
-    ap.add_argument("--nsamples", type=int, default=4)
+    ap.add_argument("--nsamples", type=int, default=2)
     ap.add_argument("--calib-seqlen", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fresh", action="store_true", help="ignore cached masks and evaluations")
     ap.add_argument("--ppl-keeps", default=None, help="keeps to score (default: all)")
@@ -203,36 +274,64 @@ def main(argv=None):
                     name = "keep1.0"
                 yield name, keep, method, mask
 
-    dense_ppl = None
+    # ---- evaluation jobs, most important first (each result is cached when finished)
+    by_name = {name: (keep, method, mask) for name, keep, method, mask in cases()}
+    jobs = []
+    order = ["keep1.0", "keep0.3-learned", "keep0.3-magnitude"] + \
+        [n for n in by_name if n not in ("keep1.0", "keep0.3-learned", "keep0.3-magnitude")]
+    order = [n for n in order if n in by_name]
     if "ppl" in phases:
-        for name, keep, method, mask in cases():
-            if keep not in ppl_keeps:
-                continue
-            v, c = eval_ppl(model, tok, mask, cache, 2048, args.nwindows, args.sink, args.window)
-            if keep >= 1.0:
-                dense_ppl = v["ppl"]
-            rec(name, f"ppl_2048x{args.nwindows}", v["ppl"], c)
-            if dense_ppl:
-                rec(name, "ppl_increase_pct", 100 * (v["ppl"] / dense_ppl - 1), c)
-            if mask is not None:
-                rec(name, "k_keep_fraction_mask", mask.fraction)
-                rec(name, "v_keep_fraction_mask", mask.v_fraction())
-    if "stress" in phases:
-        for name, keep, method, mask in cases():
-            if mask is None or keep != 0.3:
-                continue
-            v, c = eval_ppl(model, tok, mask, cache, 2048, args.nwindows, 0, 0)
-            rec(name, f"ppl_stress_sink0_window0_2048x{args.nwindows}", v["ppl"], c)
-            if dense_ppl:
-                rec(name, "ppl_stress_increase_pct", 100 * (v["ppl"] / dense_ppl - 1), c)
+        jobs += [("ppl", n) for n in order[:3]]
+    if "stress" in phases and "keep0.3-learned" in by_name:
+        jobs.append(("stress", "keep0.3-learned"))
     if "retrieval" in phases:
-        for name, keep, method, mask in cases():
-            if keep not in retr_keeps or (method == "magnitude" and not args.quick and False):
-                continue
+        jobs += [("retrieval", n) for n in order[:2] if by_name[n][0] in retr_keeps]
+    if "stress" in phases and "keep0.3-magnitude" in by_name:
+        jobs.append(("stress", "keep0.3-magnitude"))
+    if "ppl" in phases:
+        jobs += [("ppl", n) for n in order[3:] if by_name[n][0] in ppl_keeps]
+    if "retrieval" in phases:
+        jobs += [("retrieval", n) for n in order[2:] if by_name[n][0] in retr_keeps]
+    if "ppl512" in phases:
+        jobs += [("ppl512", n) for n in order]
+    results: dict = {}
+    for kind, name in jobs:
+        keep, method, mask = by_name[name]
+        if kind == "ppl":
+            v, c = eval_ppl(model, tok, mask, cache, 2048, args.nwindows, args.sink, args.window)
+            results[(name, "ppl")] = (v["ppl"], c)
+        elif kind == "ppl512":
+            v, c = eval_ppl(model, tok, mask, cache, 512, 40, args.sink, args.window)
+            results[(name, "ppl512")] = (v["ppl"], c)
+        elif kind == "stress":
+            v, c = eval_ppl(model, tok, mask, cache, 2048, args.nwindows, 0, 0)
+            results[(name, "stress")] = (v["ppl"], c)
+        else:
             r, c = eval_retrieval(model, tok, mask, cache, args.trials, args.sink, args.window)
-            rec(name, "retrieval_acc", r["accuracy"], c)
+            results[(name, "retrieval")] = (r["accuracy"], c)
+        _log(f"done {kind} {name}: {results[(name, kind)]}")
+    dense_ppl = results.get(("keep1.0", "ppl"), (None,))[0]
+    for name in order:
+        keep, method, mask = by_name[name]
+        if mask is not None:
+            rec(name, "k_keep_fraction_mask", mask.fraction)
+            rec(name, "v_keep_fraction_mask", mask.v_fraction())
+        if (name, "ppl") in results:
+            v, c = results[(name, "ppl")]
+            rec(name, f"ppl_2048x{args.nwindows}", v, c)
+            if dense_ppl:
+                rec(name, "ppl_increase_pct", 100 * (v / dense_ppl - 1), c)
+        if (name, "stress") in results:
+            v, c = results[(name, "stress")]
+            rec(name, f"ppl_stress_sink0_window0_2048x{args.nwindows}", v, c)
+            if dense_ppl:
+                rec(name, "ppl_stress_increase_pct", 100 * (v / dense_ppl - 1), c)
+        if (name, "ppl512") in results:
+            rec(name, "ppl_512x40", *results[(name, "ppl512")])
+        if (name, "retrieval") in results:
+            rec(name, f"retrieval_acc_{args.trials}trials", *results[(name, "retrieval")])
     if "runtime" in phases:
-        from bench_leank_runtime import runtime_records  # noqa: F401  (filled below)
+        records.extend(runtime_records(model, tok, masks, order, by_name, args, rec))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(records, indent=1))

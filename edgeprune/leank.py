@@ -68,6 +68,7 @@ DEFAULT_WINDOW = 448
 DEFAULT_ALIGNMENT = 8
 ATTN_NAME = "edgeprune_leank"
 MASK_FORMAT = "edgeprune.leank.v1"
+QUERY_CHUNK = 256        # reference attention: queries per chunk (causal key ranges)
 
 __all__ = ["LeanKMask", "learn_mask", "learn_scales", "magnitude_scores", "select_channels",
            "finetune_scales", "apply_reference", "long_perplexity", "retrieval_eval", "retrieval_prompts",
@@ -306,8 +307,8 @@ class LeanKMask:
 # budgeted, aligned, global channel selection
 # ------------------------------------------------------------------------------------------
 
-def select_channels(scores: np.ndarray, k_keep: float, alignment: int = DEFAULT_ALIGNMENT
-                    ) -> list:
+def select_channels(scores: np.ndarray, k_keep: float, alignment: int = DEFAULT_ALIGNMENT,
+                    min_per_head: Optional[int] = None) -> list:
     """Keep the ``k_keep`` fraction of channels with the largest scores, globally.
 
     Each head's channels are sorted by score and cut into blocks of ``alignment``; a
@@ -320,6 +321,11 @@ def select_channels(scores: np.ndarray, k_keep: float, alignment: int = DEFAULT_
         scores: ``float [layers, kv_heads, head_dim]`` channel importances (larger = keep).
         k_keep: keep ratio in (0, 1].
         alignment: channels per block; must divide ``head_dim``.
+        min_per_head: channels every head keeps at least (rounded up to ``alignment``;
+            default ``alignment``: no head loses all its channels). ``0`` lets whole heads
+            go ("dead" heads attend only to sink + window; their middle V is dropped).
+            The training objective scores a fully scaled-down head as uniform attention
+            over the middle, not as a dropped middle, so dead heads are opt-in.
 
     Returns:
         ``keep[layer][kv_head]`` sorted channel lists.
@@ -342,7 +348,15 @@ def select_channels(scores: np.ndarray, k_keep: float, alignment: int = DEFAULT_
     block_val = srt.reshape(L, KV, nb, alignment).mean(-1)              # [L,KV,nb]
     # enforce non-increasing along the head so the global top-k takes prefixes
     block_val = np.minimum.accumulate(block_val, axis=-1)
-    flat = block_val.reshape(-1)
+    mb = 1 if min_per_head is None else -(-int(min_per_head) // alignment)
+    mb = min(mb, nb)
+    if mb * L * KV > units:
+        raise ConfigError(f"k_keep={k_keep} keeps {units * alignment} channels, fewer than "
+                          f"min_per_head x heads = {mb * alignment * L * KV}",
+                          "raise k_keep or pass min_per_head=0 (allow dead heads)")
+    forced = np.zeros((L, KV, nb), bool)
+    forced[..., :mb] = True
+    flat = np.where(forced, np.inf, block_val).reshape(-1)
     # tie-break: earlier block of a head first (lexsort: last key primary)
     idx = np.lexsort((np.tile(np.arange(nb), L * KV), -flat))[:units]
     taken = np.zeros(L * KV * nb, bool)
@@ -428,15 +442,22 @@ def _leank_attention(module, query, key, value, attention_mask, scaling=None, dr
             stats["q2"][module.layer_idx] += q2.cpu().double()
             stats["k2"][module.layer_idx] += k2.cpu().double()
         st = None
-    s = leank_scores(query, key, scaling, st, qpos, kpos)
-    if attention_mask is not None and attention_mask.dim() == 4:
-        am = attention_mask[..., :T]
-        s = s.masked_fill(~am, float("-inf")) if am.dtype == torch.bool else s + am
-    p = torch.softmax(s, dim=-1, dtype=torch.float32)
-    if st is not None:
-        p = torch.nan_to_num(p, nan=0.0)   # a dead head with no full-region key: output 0
-    out = torch.matmul(p.to(value.dtype).view(B, KV, rep * S, T), value)
-    return out.view(B, N, S, D).transpose(1, 2).contiguous(), None
+    chunk = S if (query.requires_grad or S <= QUERY_CHUNK) else QUERY_CHUNK
+    outs = []
+    for a in range(0, S, chunk):
+        b = min(S, a + chunk)
+        Tb = T - S + b                  # causal: keys after the chunk's last query are unused
+        s = leank_scores(query[:, :, a:b], key[:, :, :Tb], scaling, st, qpos[a:b], kpos[:Tb])
+        if attention_mask is not None and attention_mask.dim() == 4:
+            am = attention_mask[..., a:b, :Tb]
+            s = s.masked_fill(~am, float("-inf")) if am.dtype == torch.bool else s + am
+        p = torch.softmax(s, dim=-1, dtype=torch.float32)
+        if st is not None and st.get("sink", 1) + st.get("window", 1) == 0:
+            p = torch.nan_to_num(p, nan=0.0)   # a dead head with no full-region key: output 0
+        o = torch.matmul(p.to(value.dtype).view(B, KV, rep * (b - a), Tb), value[:, :, :Tb])
+        outs.append(o.view(B, N, b - a, D))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _register():
@@ -634,7 +655,8 @@ def _train_layer(attn, q, k, v, target, energy, alpha, steps, lr, l1_max, sink, 
                  free=None, dead_q=None):
     """Adam on ``alpha [KV, D]`` for one layer; returns (mean alpha over the run, losses).
 
-    Loss: ``mean((o_proj(attn_alpha) - o_proj(attn_dense))^2) / energy + l1 * mean(alpha)``
+    Loss: ``mean((o_proj(attn_alpha) - o_proj(attn_dense))^2) / mean(o_proj(attn_dense)^2)
+    + l1 * mean(alpha)``
     with ``l1`` ramped linearly from 0 to ``l1_max`` (a regularisation path: channels
     the layer needs least reach 0 first).
     """
@@ -661,7 +683,7 @@ def _train_layer(attn, q, k, v, target, energy, alpha, steps, lr, l1_max, sink, 
     return (area / max(1, steps)).cpu().numpy(), losses
 
 
-def learn_scales(model, calib_ids, *, steps: int = 40, lr: float = 0.05, l1: float = 0.05,
+def learn_scales(model, calib_ids, *, steps: int = 25, lr: float = 0.05, l1: float = 0.05,
                  train_sink: int = 4, train_window: int = 32, seed: int = 0,
                  progress: bool = False) -> tuple[np.ndarray, dict]:
     """LeanK stage 1: continuous channel importances ``[layers, kv_heads, head_dim]``.
@@ -670,8 +692,8 @@ def learn_scales(model, calib_ids, *, steps: int = 40, lr: float = 0.05, l1: flo
     pruned-region keys (all keys older than ``train_window`` tokens, except the first
     ``train_sink``); the model is frozen. Loss (L2 distillation + L1, LeanK stage 1):
     the squared error of the layer's attention output after ``o_proj`` against the
-    dense one, divided by the residual-stream energy at the layer input (so losses of
-    different layers are comparable and one global quantile can rank all channels),
+    dense one, relative to the dense output's energy (a relative error, comparable
+    across layers, so one global quantile can rank all channels),
     plus ``l1 * mean(alpha)`` with ``l1`` ramped from 0 to ``l1`` over ``steps``. The
     returned importance is the mean of ``alpha`` over the ramp (channels that survive
     stronger L1 rank higher; no ties at 0).
@@ -688,7 +710,7 @@ def learn_scales(model, calib_ids, *, steps: int = 40, lr: float = 0.05, l1: flo
     L, N, KV, D = kv_geometry(model)
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    h_in, energy, (cos, sin) = _capture(model, ids)
+    h_in, _, (cos, sin) = _capture(model, ids)
     req = [p.requires_grad for p in model.parameters()]
     for p in model.parameters():
         p.requires_grad_(False)
@@ -703,15 +725,15 @@ def learn_scales(model, calib_ids, *, steps: int = 40, lr: float = 0.05, l1: flo
                 q, k, v = _qkv(attn, h_in[i], cos, sin)
                 target = _attn_out(attn, q, k, v, None)
             alpha = torch.ones(KV, D, device=q.device, requires_grad=True)
-            imp[i], losses = _train_layer(attn, q, k, v, target, energy[i], alpha, steps, lr, l1,
-                                          train_sink, train_window)
+            imp[i], losses = _train_layer(attn, q, k, v, target, float(target.pow(2).mean()),
+                                          alpha, steps, lr, l1, train_sink, train_window)
             first.append(losses[0])
             last.append(losses[-1])
             h_in[i] = None
     finally:
         for p, r in zip(model.parameters(), req):
             p.requires_grad_(r)
-    info = {"objective": "layer-local L2 distillation (o_proj output / residual energy) + L1 ramp",
+    info = {"objective": "layer-local relative L2 distillation of the o_proj output + L1 ramp",
             "stage1_steps": steps, "lr": lr, "l1": l1, "train_sink": train_sink,
             "train_window": train_window, "seed": seed, "nsamples": int(ids.shape[0]),
             "seqlen": int(ids.shape[1]),
@@ -720,7 +742,7 @@ def learn_scales(model, calib_ids, *, steps: int = 40, lr: float = 0.05, l1: flo
     return imp, info
 
 
-def finetune_scales(model, calib_ids, keep: list, init: np.ndarray, *, steps: int = 20,
+def finetune_scales(model, calib_ids, keep: list, init: np.ndarray, *, steps: int = 10,
                     lr: float = 0.05, train_sink: int = 4, train_window: int = 32,
                     progress: bool = False) -> tuple[list, dict]:
     """LeanK stage 2: with the binary mask fixed, fine-tune the kept channels' scales
@@ -737,7 +759,7 @@ def finetune_scales(model, calib_ids, keep: list, init: np.ndarray, *, steps: in
     L, N, KV, D = kv_geometry(model)
     rep = N // KV
     t0 = time.perf_counter()
-    h_in, energy, (cos, sin) = _capture(model, ids)
+    h_in, _, (cos, sin) = _capture(model, ids)
     req = [p.requires_grad for p in model.parameters()]
     for p in model.parameters():
         p.requires_grad_(False)
@@ -756,13 +778,14 @@ def finetune_scales(model, calib_ids, keep: list, init: np.ndarray, *, steps: in
                 with torch.no_grad():
                     q, k, v = _qkv(attn, h_in[i], cos, sin)
                     target = _attn_out(attn, q, k, v, None)
-                _train_layer(attn, q, k, v, target, energy[i], alpha, steps, lr, 0.0,
+                    energy = float(target.pow(2).mean())
+                _train_layer(attn, q, k, v, target, energy, alpha, steps, lr, 0.0,
                              train_sink, train_window, free=free, dead_q=dead)
                 with torch.no_grad():
                     st = {"scale": alpha, "sink": train_sink, "window": train_window,
                           "dead_q": dead}
                     rel.append(float((_attn_out(attn, q, k, v, st) - target).pow(2).mean()
-                                     / energy[i]))
+                                     / energy))
             a = alpha.detach().numpy()
             out.append([[float(a[h, c]) for c in keep[i][h]] for h in range(KV)])
             h_in[i] = None
@@ -775,9 +798,9 @@ def finetune_scales(model, calib_ids, keep: list, init: np.ndarray, *, steps: in
 
 def learn_mask(model, calib_ids, k_keep: float, method: str = "learned",
                alignment: int = DEFAULT_ALIGNMENT, *, scales: Optional[np.ndarray] = None,
-               steps: int = 40, finetune_steps: int = 20, lr: float = 0.05, l1: float = 0.05,
+               steps: int = 25, finetune_steps: int = 10, lr: float = 0.05, l1: float = 0.05,
                train_sink: int = 4, train_window: int = 32, seed: int = 0,
-               progress: bool = False) -> LeanKMask:
+               min_per_head: Optional[int] = None, progress: bool = False) -> LeanKMask:
     """Learn a static LeanK key-channel mask meeting the ``k_keep`` budget.
 
     Args:
@@ -793,6 +816,8 @@ def learn_mask(model, calib_ids, k_keep: float, method: str = "learned",
             to skip stage 1, which does not depend on ``k_keep``.
         steps, finetune_steps, lr, l1, train_sink, train_window, seed: see
             :func:`learn_scales` / :func:`finetune_scales`.
+        min_per_head: see :func:`select_channels` (default: ``alignment``; 0 allows dead
+            heads, whose middle V cache the export then drops).
 
     Returns:
         :class:`LeanKMask` (its ``meta`` records the settings and timings).
@@ -810,7 +835,7 @@ def learn_mask(model, calib_ids, k_keep: float, method: str = "learned",
     meta: dict[str, Any] = {"nsamples": int(ids.shape[0]), "calib_seqlen": int(ids.shape[1])}
     if method == "magnitude":
         sc = magnitude_scores(model, ids)
-        keep = select_channels(sc, k_keep, alignment)
+        keep = select_channels(sc, k_keep, alignment, min_per_head)
         meta["learn_s"] = round(time.perf_counter() - t0, 1)
         return LeanKMask(keep=keep, scales=[[[1.0] * len(h) for h in layer] for layer in keep],
                          head_dim=D, k_keep=float(k_keep), alignment=alignment,
@@ -826,7 +851,7 @@ def learn_mask(model, calib_ids, k_keep: float, method: str = "learned",
             raise ConfigError(f"stage-1 scales have shape {scales.shape}, expected {(L, KV, D)}",
                               "learn them on this model with learn_scales()")
         meta["stage1"] = "given (cached)"
-    keep = select_channels(scales, k_keep, alignment)
+    keep = select_channels(scales, k_keep, alignment, min_per_head)
     if float(k_keep) >= 1.0:
         sc_out = [[[1.0] * len(h) for h in layer] for layer in keep]
     else:
@@ -875,57 +900,75 @@ def retrieval_prompts(tokenizer, text=None, *, n_trials: int = 20, context_token
                       seed: int = 0, chat: bool = False) -> list[dict]:
     """Synthetic long-context retrieval trials ("needle in a haystack").
 
-    Trial ``t`` takes ``context_tokens`` tokens of real text (consecutive windows of
-    ``text``; default: the embedded held-out text), inserts the fact "The secret code of
-    <name> is <5-digit number>." at depth ``t / (n_trials - 1)`` (0% = start, 100% =
-    end; snapped to a sentence boundary when one is within 50 tokens), and asks at the
-    end. Plain prompts end with ``"... Answer: The secret code of <name> is"``; with
-    ``chat=True`` the question is a user turn rendered by the tokenizer's chat template
-    and the assistant's answer is primed the same way.
+    One haystack, the first ``context_tokens`` tokens of ``text`` (default: the embedded
+    held-out text), is shared by all trials. Trial ``t`` inserts the fact " The secret code
+    of <name> is <5-digit number>." at depth ``t / (n_trials - 1)`` of the haystack
+    (0% = start, 100% = end; snapped to just after a token ending a sentence when one is
+    within 40 tokens), then asks: "Question: What is the secret code of <name>?
+    Answer: The secret code of <name> is" and the greedy continuation is scored. With
+    ``chat=True`` the document + question form a user turn of the tokenizer's chat
+    template and the assistant's answer is primed the same way.
 
     Returns:
-        ``[{"ids": list[int], "answer": str, "depth": float, "name": str}]``.
+        ``[{"ids": list[int], "prefix": int, "answer": str, "depth": float, "name": str}]``
+        where ``ids[:prefix]`` is the shared haystack prefix (reusable cache).
     """
     from .evaluate import resolve_text
     body, _ = resolve_text(text)
-    ids = tokenizer(body, add_special_tokens=False)["input_ids"]
-    if len(ids) < context_tokens + 10:
-        raise CalibrationError(f"retrieval text has {len(ids)} tokens, {context_tokens} needed",
+    hay = tokenizer(body, add_special_tokens=False)["input_ids"]
+    if len(hay) < context_tokens:
+        raise CalibrationError(f"retrieval text has {len(hay)} tokens, {context_tokens} needed",
                                "use a longer text or fewer context_tokens")
+    hay = hay[:context_tokens]
+    ends = [i + 1 for i, t in enumerate(hay) if tokenizer.decode([t]).rstrip().endswith(".")]
     rng = random.Random(seed)
-    nwin = len(ids) // context_tokens
+    head: list[int] = []
+    if chat and getattr(tokenizer, "chat_template", None):
+        marker = "\x00DOC\x00"
+        tmpl = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                             add_generation_prompt=True)
+        pre_txt, post_txt = tmpl.split(marker)
+        head = tokenizer(pre_txt, add_special_tokens=False)["input_ids"]
     out = []
     for t in range(n_trials):
         depth = t / max(1, n_trials - 1)
-        w = ids[(t % nwin) * context_tokens:(t % nwin + 1) * context_tokens]
-        hay = tokenizer.decode(w)
+        cut = int(round(depth * len(hay)))
+        near = [e for e in ends if abs(e - cut) <= 40]
+        if near and 0 < depth < 1:
+            cut = min(near, key=lambda e: abs(e - cut))
         name = NAMES[t % len(NAMES)]
         code = str(rng.randint(10000, 99999))
-        fact = f" The secret code of {name} is {code}. "
-        cut = int(len(hay) * depth)
-        near = [m for m in range(max(0, cut - 200), min(len(hay), cut + 200)) if hay[m - 1:m] == "."]
-        if near and 0 < depth < 1:
-            cut = min(near, key=lambda m: abs(m - cut))
-        doc = hay[:cut] + fact + hay[cut:]
+        fact = tokenizer(f" The secret code of {name} is {code}. ", add_special_tokens=False)["input_ids"]
         q = f"What is the secret code of {name}?"
         prime = f"The secret code of {name} is"
-        if chat and getattr(tokenizer, "chat_template", None):
-            msgs = [{"role": "user", "content": doc.strip() + "\n\n" + q}]
-            prompt = tokenizer.apply_chat_template(msgs, tokenize=False,
-                                                   add_generation_prompt=True) + prime
+        if head:
+            tail = tokenizer("\n\n" + q + post_txt + prime, add_special_tokens=False)["input_ids"]
         else:
-            prompt = doc.rstrip() + "\n\nQuestion: " + q + "\nAnswer: " + prime
-        out.append({"ids": tokenizer(prompt, add_special_tokens=False)["input_ids"],
-                    "answer": code, "depth": round(depth, 3), "name": name})
+            tail = tokenizer("\n\nQuestion: " + q + "\nAnswer: " + prime,
+                             add_special_tokens=False)["input_ids"]
+        ids = head + hay[:cut] + fact + hay[cut:] + tail
+        out.append({"ids": ids, "prefix": len(head) + cut, "answer": code,
+                    "depth": round(depth, 3), "name": name})
     return out
 
 
-def _torch_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
+def _torch_greedy(model, ids: list[int], max_new_tokens: int, prefix_cache=None,
+                  prefix: int = 0) -> list[int]:
+    """Greedy decoding with HF's cache; ``prefix_cache`` (a cache of ``ids[:>=prefix]``)
+    is copied and cropped to ``prefix`` tokens instead of recomputing them."""
+    import copy
     dev = next(model.parameters()).device
-    x = torch.tensor([ids], device=dev)
     out: list[int] = []
     with torch.no_grad():
-        res = model(x, use_cache=True)
+        cache = None
+        start = 0
+        if prefix_cache is not None and prefix > 0:
+            cache = copy.deepcopy(prefix_cache)
+            extra = cache.get_seq_length() - prefix
+            if extra > 0:
+                cache.crop(-extra)
+            start = prefix
+        res = model(torch.tensor([ids[start:]], device=dev), cache=cache, use_cache=True)
         for _ in range(max_new_tokens):
             t = int(res.logits[0, -1].argmax())
             out.append(t)
@@ -956,19 +999,29 @@ def retrieval_eval(model_or_generate, tokenizer, mask: Optional[LeanKMask] = Non
     trials = retrieval_prompts(tokenizer, text, n_trials=n_trials, context_tokens=context_tokens,
                                seed=seed, chat=chat)
     t0 = time.perf_counter()
-    if isinstance(model_or_generate, torch.nn.Module):
+    torch_model = isinstance(model_or_generate, torch.nn.Module)
+    if torch_model:
         model = model_or_generate
         ctx = apply_reference(model, mask, sink, window) if mask is not None \
             else contextlib.nullcontext()
-        gen = lambda ids, n: _torch_greedy(model, ids, n)  # noqa: E731
     else:
         ctx = contextlib.nullcontext()
         gen = model_or_generate
     hits, by_depth, samples = 0, {}, []
     from tqdm.auto import tqdm
     with ctx:
+        shared = None
+        if torch_model:   # the haystack prefix is common to all trials: compute its cache once
+            longest = max(trials, key=lambda tr: tr["prefix"])
+            with torch.no_grad():
+                dev = next(model.parameters()).device
+                shared = model(torch.tensor([longest["ids"][:longest["prefix"]]], device=dev),
+                               use_cache=True)["cache"]
         for tr in tqdm(trials, desc="retrieval", disable=not progress, leave=False):
-            toks = gen(tr["ids"], max_new_tokens)
+            if torch_model:
+                toks = _torch_greedy(model, tr["ids"], max_new_tokens, shared, tr["prefix"])
+            else:
+                toks = gen(tr["ids"], max_new_tokens)
             txt = tokenizer.decode(toks)
             m = re.search(r"\d+", txt)
             ok = bool(m and m.group(0) == tr["answer"])
