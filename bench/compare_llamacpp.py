@@ -207,8 +207,8 @@ def _median(runs, key):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the records here")
-    ap.add_argument("--quick", action="store_true", help="3 fresh-process runs per case (< 10 min once built)")
-    ap.add_argument("--repeat", type=int, default=None, help="fresh-process runs per case (default 10, quick 3)")
+    ap.add_argument("--quick", action="store_true", help="2 fresh-process runs per case (< 10 min once built, even on a busy 2-core machine)")
+    ap.add_argument("--repeat", type=int, default=None, help="fresh-process runs per case (default 10, quick 2)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=128)
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
         print(json.dumps(fn(*conv)))
         return 0
 
-    repeat = a.repeat or (3 if a.quick else 10)
+    repeat = a.repeat or (2 if a.quick else 10)
     CACHE.mkdir(parents=True, exist_ok=True)
     logf = CACHE / "bench.log"
 
