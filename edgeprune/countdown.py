@@ -302,7 +302,7 @@ def apply_reference(model, spec: CountdownSpec, counters: Optional[list] = None)
 # ----------------------------------------------------------------------- calibration
 @torch.no_grad()
 def collect_mlp_inputs(model, calib_ids: torch.Tensor, max_tokens: int = 8192,
-                       seed: int = 0) -> list:
+                       seed: int = 0, return_resid: bool = False):
     """Inputs ``x`` of every MLP on the calibration windows (dense model).
 
     Args:
@@ -310,11 +310,21 @@ def collect_mlp_inputs(model, calib_ids: torch.Tensor, max_tokens: int = 8192,
         max_tokens: tokens kept per layer (a seeded random subset when there are more).
 
     Returns:
-        ``[num_layers]`` float32 tensors ``[N, H]``.
+        ``[num_layers]`` float32 tensors ``[N, H]`` (and, with ``return_resid``, the mean
+        squared norm per token of each layer's output residual stream).
     """
     mlps = gated_mlps(model)
     store: list = [[] for _ in mlps]
-    hooks = [m.register_forward_pre_hook(
+    resid = [[0.0, 0] for _ in mlps]
+
+    def _res_hook(mod, args, out, _i):
+        h = out[0] if isinstance(out, (tuple, list)) else out
+        resid[_i][0] += float(h.detach().float().pow(2).sum())
+        resid[_i][1] += h.shape[0] * h.shape[1]
+
+    hooks = [layer.register_forward_hook(lambda mod, a, o, _i=i: _res_hook(mod, a, o, _i))
+             for i, layer in enumerate(model.model.layers)]
+    hooks += [m.register_forward_pre_hook(
         lambda mod, args, _i=i: store[_i].append(args[0].detach().reshape(-1, args[0].shape[-1])
                                                  .float().cpu()))
         for i, m in enumerate(mlps)]
@@ -332,6 +342,8 @@ def collect_mlp_inputs(model, calib_ids: torch.Tensor, max_tokens: int = 8192,
         if X.shape[0] > max_tokens:
             X = X[torch.randperm(X.shape[0], generator=g)[:max_tokens]]
         out.append(X)
+    if return_resid:
+        return out, [e / max(n, 1) for e, n in resid]
     return out
 
 
@@ -373,7 +385,7 @@ def lowrank_factors(W: torch.Tensor, X: torch.Tensor, rank: int,
 @torch.no_grad()
 def calibrate(model, calib_ids: torch.Tensor, act_sparsity: float, mode: str = "m", *,
               rank: int = DEFAULT_RANK, max_tokens: int = 8192, seed: int = 0,
-              progress: bool = False) -> CountdownSpec:
+              progress: bool = False, allocation: str = "uniform") -> CountdownSpec:
     """Calibrate COUNTDOWN thresholds (and D predictors) on calibration windows.
 
     Args:
@@ -384,6 +396,8 @@ def calibrate(model, calib_ids: torch.Tensor, act_sparsity: float, mode: str = "
         rank: D predictor rank ``r`` (per gate and per up factor).
         max_tokens: calibration tokens used per layer (random subset).
         seed: seed of that subset.
+        allocation: ``"uniform"`` (paper) or ``"greedy"`` per-layer sparsities with the
+            same mean (see :func:`calibrate_many`).
 
     Returns:
         :class:`CountdownSpec`; ``stats`` holds the realised sparsity per layer on the
@@ -396,19 +410,54 @@ def calibrate(model, calib_ids: torch.Tensor, act_sparsity: float, mode: str = "
         CalibrationError: empty calibration set.
     """
     return calibrate_many(model, calib_ids, [act_sparsity], mode, rank=rank,
-                          max_tokens=max_tokens, seed=seed, progress=progress)[0]
+                          max_tokens=max_tokens, seed=seed, progress=progress,
+                          allocation=allocation)[0]
+
+
+def _greedy_allocation(acc: dict, grid: list, target: float, L: int) -> list:
+    """Per-layer sparsities on ``grid`` with mean ``target``: repeatedly raise the layer
+    whose relative output error grows least (``acc[level]["err"][layer]``)."""
+    step = grid[1] - grid[0]
+    n_steps = int(round(target * L / step))
+    lvl = [0] * L
+
+    def err(li, j):
+        return 0.0 if j == 0 else acc[grid[j]]["err"][li]
+
+    for _ in range(n_steps):
+        best, bi = None, None
+        for li in range(L):
+            if lvl[li] + 1 >= len(grid):
+                continue
+            d = err(li, lvl[li] + 1) - err(li, lvl[li])
+            if best is None or d < best:
+                best, bi = d, li
+        if bi is None:
+            break
+        lvl[bi] += 1
+    return [grid[j] for j in lvl]
 
 
 @torch.no_grad()
 def calibrate_many(model, calib_ids: torch.Tensor, sparsities, mode: str = "m", *,
                    rank: int = DEFAULT_RANK, max_tokens: int = 8192, seed: int = 0,
-                   progress: bool = False) -> list:
+                   progress: bool = False, allocation: str = "uniform",
+                   err_tokens: int = 256) -> list:
     """:func:`calibrate` for several act-sparsities at once (one pass over the
     calibration data; D predictors shared, only the thresholds differ).
+
+    Args:
+        allocation: ``"uniform"`` (every layer skips ``s``; the paper's setting) or
+            ``"greedy"`` (our extension: per-layer sparsities on a 0.05 grid whose mean is
+            ``s``, chosen greedily to minimise the summed relative MLP output error
+            ``E||Δy_l||² / E||h_l||²`` (``h_l`` the residual stream after layer ``l``),
+            measured on ``err_tokens`` calibration tokens per layer).
 
     Returns:
         ``[CountdownSpec]`` in the order of ``sparsities``.
     """
+    if allocation not in ("uniform", "greedy"):
+        raise ConfigError(f"allocation={allocation!r} is unknown", "use 'uniform' or 'greedy'")
     ss = [check_act_sparsity(a) for a in sparsities]
     mode = check_mode(mode)
     mlps = gated_mlps(model)
@@ -423,9 +472,12 @@ def calibrate_many(model, calib_ids: torch.Tensor, sparsities, mode: str = "m", 
     act_name = type(mlps[0].act_fn).__name__.lower().replace("activation", "")
     L = len(mlps)
     todo = [s for s in ss if s > 0]
-    acc = {s: {"taus": [], "real": [], "recall": [], "l1": []} for s in todo}
+    grid = [round(0.05 * j, 2) for j in range(20)] if allocation == "greedy" else []
+    levels = sorted(set(todo) | set(g for g in grid if g > 0))
+    acc = {s: {"taus": [], "real": [], "recall": [], "l1": [], "err": []} for s in levels}
     preds = []
-    X_all = collect_mlp_inputs(model, calib_ids, max_tokens, seed) if todo else []
+    X_all, resid = collect_mlp_inputs(model, calib_ids, max_tokens, seed,
+                                      return_resid=True) if todo else ([], [])
     it = range(L) if todo else []
     if progress and todo:
         from tqdm.auto import tqdm
@@ -445,7 +497,9 @@ def calibrate_many(model, calib_ids: torch.Tensor, sparsities, mode: str = "m", 
             score = predictor_score(pred, X, lambda t: _act(mlp, t))
         ca = c.abs()
         order = ca.argsort(dim=-1, descending=True)
-        for s in todo:
+        ne = min(err_tokens, c.shape[0])
+        Wd = mlp.down_proj.weight.detach().float().cpu()
+        for s in levels:
             n_keep = I - int(round(s * I))
             true_top = torch.zeros_like(c, dtype=torch.bool).scatter_(-1, order[:, :n_keep], True)
             tau, rs = per_token_threshold(score, s)
@@ -456,7 +510,10 @@ def calibrate_many(model, calib_ids: torch.Tensor, sparsities, mode: str = "m", 
             a["recall"].append(float((keep & true_top).sum() / true_top.sum()))
             # fraction of |c| mass (L1) kept: how much of the down projection's input survives
             a["l1"].append(float((ca * keep).sum() / ca.sum().clamp_min(1e-30)))
-        del Xd, u, c, ca, order
+            if grid:
+                dy = (c[:ne] * (~keep[:ne])) @ Wd.T
+                a["err"].append(float(dy.pow(2).sum(-1).mean()) / max(resid[i], 1e-30))
+        del Xd, u, c, ca, order, Wd
     secs = round(time.perf_counter() - t0, 2)
     mlp_bytes = 3 * H * I * 4
     out = []
@@ -467,8 +524,16 @@ def calibrate_many(model, calib_ids: torch.Tensor, sparsities, mode: str = "m", 
                                                       "realised_sparsity_mean": 0.0,
                                                       "calibration_s": 0.0}))
             continue
-        a = acc[s]
+        if allocation == "greedy":
+            per = _greedy_allocation(acc, grid, s, L)
+            a = {k: [acc[per[li]][k][li] if per[li] > 0 else
+                     {"taus": -1.0, "real": 0.0, "recall": 1.0, "l1": 1.0, "err": 0.0}[k]
+                     for li in range(L)] for k in ("taus", "real", "recall", "l1", "err")}
+        else:
+            per = [s] * L
+            a = acc[s]
         stats: dict[str, Any] = {
+            "allocation": allocation, "layer_act_sparsity": [round(p, 3) for p in per],
             "realised_sparsity": [round(r, 4) for r in a["real"]],
             "realised_sparsity_mean": round(sum(a["real"]) / L, 4),
             "recall_top": [round(r, 4) for r in a["recall"]],

@@ -306,3 +306,15 @@ def test_export_bad_inputs(tmp_path, tiny, specs):
         export_countdown(model, tok, tmp_path / "a", specs["m"][1], graph_mode="both")
     with pytest.raises(ExportError, match="layers"):
         export_countdown(model, tok, tmp_path / "b", cd.CountdownSpec("m", 0.5, [0.1]))
+
+
+def test_greedy_allocation_keeps_mean(tiny):
+    """Greedy per-layer sparsities: mean == target, every layer on the 0.05 grid."""
+    model, _ = tiny
+    uni, gre = (cd.calibrate(model, _calib(), 0.6, "m", allocation=a) for a in ("uniform", "greedy"))
+    per = gre.stats["layer_act_sparsity"]
+    assert sum(per) / len(per) == pytest.approx(0.6)
+    assert all(round(p / 0.05, 6).is_integer() for p in per)
+    assert gre.stats["allocation"] == "greedy" and uni.stats["layer_act_sparsity"] == [0.6, 0.6]
+    with pytest.raises(ConfigError, match="allocation"):
+        cd.calibrate(model, _calib(), 0.5, "m", allocation="owl")
