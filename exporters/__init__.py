@@ -23,7 +23,8 @@ import onnx
 from runtime.errors import ExportError
 
 from .decoder import BUILDERS, BuildOptions, DecoderSpec
-from .folder import atomic_folder, check_disk, check_out_dir, save_tokenizer, write_json
+from .folder import (atomic_folder, check_disk, check_out_dir, save_external, save_tokenizer,
+                     write_json)
 
 FORMAT_VERSION = 1
 EXTERNAL_DATA_THRESHOLD = 2 * 1024 ** 3 - (64 << 20)
@@ -80,7 +81,7 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
                 compact_24: bool = False, graph: str = "fused", lm_head: Optional[str] = None,
                 accuracy_level: int = 4, group_size: int = 32, max_length: Optional[int] = None,
                 provenance: Optional[dict] = None, overwrite: bool = False,
-                validate: bool = True, external_data: bool = False,
+                validate: bool = True, external_data: Optional[bool] = None,
                 parity_tokens: int = 64, leank=None, leank_sink: Optional[int] = None,
                 leank_window: Optional[int] = None) -> ExportResult:
     """Export an HF llama/qwen2 decoder to an ONNX folder with a KV cache.
@@ -110,7 +111,9 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
         provenance: free-form dict stored in ``edgeprune.json``.
         overwrite: replace an existing ``out_dir``.
         validate: run ``onnx.checker``, shape inference and one-window parity.
-        external_data: store weights in ``model.onnx.data`` (forced above 2 GB).
+        external_data: store weights in ``model.onnx.data`` (forced above 2 GB; ``None``
+            = auto: on for int4 exports; tensors are page-aligned in the data file so
+            onnxruntime memory-maps them, lowering the peak RSS at load).
         parity_tokens: window length of the parity check.
         leank: a LeanK key-channel mask (``edgeprune.leank.LeanKMask`` or its ``to_dict()``):
             the graph's key cache keeps only the kept channels in its middle part, with
@@ -163,6 +166,10 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
     t_build = time.perf_counter()
     weight_bytes = builder.g.weight_bytes()
     check_disk(out_dir.parent, weight_bytes)
+    # external data: when asked, above 2 GB, or (auto) for int4 exports: onnxruntime
+    # memory-maps page-aligned external initializers, which lowers the peak RSS at load
+    if external_data is None:
+        external_data = precision == "int4"
     external = external_data or weight_bytes > EXTERNAL_DATA_THRESHOLD
 
     ints = {k: v for k, v in builder.quant_summary.items()
@@ -236,9 +243,7 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
         ts = time.perf_counter()
         mpath = tmp / "model.onnx"
         if external:
-            onnx.save_model(proto, str(mpath), save_as_external_data=True,
-                            all_tensors_to_one_file=True, location="model.onnx.data",
-                            size_threshold=1024)
+            save_external(proto, mpath, "model.onnx.data")
         else:
             onnx.save_model(proto, str(mpath))
         del proto

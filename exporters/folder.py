@@ -92,6 +92,36 @@ def save_tokenizer(tokenizer, folder: Path) -> list[str]:
                   or p.name.endswith(".jinja"))
 
 
+DATA_ALIGN = 4096
+
+
+def save_external(proto, model_path: Path, location: str) -> None:
+    """Save ``proto`` with every initializer >= 1 KiB in ``location`` (next to
+    ``model_path``), each at a 4 KiB-aligned (page) offset, so onnxruntime can
+    memory-map it instead of copying."""
+    import onnx
+    from onnx import numpy_helper
+
+    off = 0
+    with open(model_path.parent / location, "wb") as f:
+        for t in proto.graph.initializer:
+            raw = t.raw_data if t.HasField("raw_data") else numpy_helper.to_array(t).tobytes()
+            if len(raw) < 1024:
+                continue
+            pad = (-off) % DATA_ALIGN
+            f.write(b"\0" * pad)
+            off += pad
+            f.write(raw)
+            t.ClearField("raw_data")
+            del t.external_data[:]
+            t.data_location = onnx.TensorProto.EXTERNAL
+            for k, v in (("location", location), ("offset", str(off)), ("length", str(len(raw)))):
+                e = t.external_data.add()
+                e.key, e.value = k, v
+            off += len(raw)
+    onnx.save_model(proto, str(model_path))
+
+
 def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, default=_default))
 
