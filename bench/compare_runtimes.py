@@ -6,7 +6,9 @@ level 4, 8-bit lm_head shared with the embedding), theirs via onnxruntime-genai'
 builder (``-p int4 -e cpu``: RTN sym block 32, accuracy level 4, int4 lm_head) run in
 its own virtualenv ``.venv-ortgenai``. Each measurement runs in a fresh subprocess:
 batch 1, a 128-token WikiText-2 prompt (the same ids for both), 128 greedy new tokens
-(EOS ignored), 1 and 2 intra-op threads, KV cache sized 256 for both. Reported: decode
+(EOS ignored), 1 and 2 intra-op threads, KV cache sized 256 for both. Cases
+``int4-t1``/``int4-t2`` use our default export (8-bit lm_head); ``int4-lmhead4-t*`` use
+an int4 lm_head like the peer's builder default (like-for-like bytes per token). Reported: decode
 tokens/s (127 steps after the first token), time to first token, peak RSS (the kernel's
 ``VmHWM`` of the worker, cross-checked by psutil polling from the parent), model file
 size; medians over ``--repeat`` runs, ratios ours/theirs.
@@ -129,8 +131,10 @@ def _prepare(work: Path, log, rebuild: bool) -> dict:
     sys.path.insert(0, str(ROOT))
     info: dict = {"errors": {}}
     ours, hf, theirs = work / "ours-int4", work / "hf-fp32", work / "genai-int4"
+    ours4 = work / "ours-int4-lmhead4"
     prompt = work / "prompt.json"
-    need_model = rebuild or not (ours / "model.onnx").exists() or not (hf / "config.json").exists()
+    need_model = rebuild or not all(p.exists() for p in (ours / "model.onnx",
+                                                         ours4 / "model.onnx", hf / "config.json"))
     if need_model or not prompt.exists():
         from edgeprune.models import load_model
         import exporters
@@ -140,6 +144,12 @@ def _prepare(work: Path, log, rebuild: bool) -> dict:
             res = exporters.export_onnx(model, tok, ours, precision="int4", overwrite=True,
                                         max_length=2048, provenance={"bench": "compare_runtimes"})
             log(f"ours: exported in {time.perf_counter() - t:.1f}s: {res.summary()}")
+        if rebuild or not (ours4 / "model.onnx").exists():
+            # like-for-like with the peer's builder default: int4 lm_head (shared table)
+            res = exporters.export_onnx(model, tok, ours4, precision="int4", lm_head="int4",
+                                        overwrite=True, max_length=2048,
+                                        provenance={"bench": "compare_runtimes"})
+            log(f"ours (int4 lm_head): {res.summary()}")
         if rebuild or not (hf / "config.json").exists():
             model.save_pretrained(hf)
             tok.save_pretrained(hf)
@@ -148,6 +158,7 @@ def _prepare(work: Path, log, rebuild: bool) -> dict:
         prompt.write_text(json.dumps(ids))
         del model
     info["ours"] = ours
+    info["ours4"] = ours4
     # the peer: own venv + its model builder
     from bench._peers import ensure_venv
     try:
@@ -222,6 +233,9 @@ def main(argv=None) -> int:
             r = _run_worker(Path(sys.executable), "ours", info["ours"], t, info["prompt"],
                             NEW_TOKENS)
             runs.setdefault(("ours", t), []).append(r)
+            r4 = _run_worker(Path(sys.executable), "ours", info["ours4"], t, info["prompt"],
+                             NEW_TOKENS)
+            runs.setdefault(("ours4", t), []).append(r4)
             if "theirs" in info:
                 r2 = _run_worker(info["genai_py"], "genai", _thread_folder(info["theirs"], t), t,
                                  info["prompt"], NEW_TOKENS)
@@ -235,18 +249,18 @@ def main(argv=None) -> int:
         return statistics.median(vals) if vals else None
 
     records = []
-    print(f"\n{'case':<9}{'metric':<14}{'ours':>10}{PEER:>20}{'ratio':>8}")
-    for t in a.threads:
-        case = f"int4-t{t}"
+    print(f"\n{'case':<18}{'metric':<14}{'ours':>10}{PEER:>20}{'ratio':>8}")
+    for t, impl in [(t, i) for i in ("ours", "ours4") for t in a.threads]:
+        case = f"int4-t{t}" if impl == "ours" else f"int4-lmhead4-t{t}"
         errs = [r["error"] for r in runs.get(("theirs", t), []) if "error" in r]
-        oerrs = [r["error"] for r in runs.get(("ours", t), []) if "error" in r]
+        oerrs = [r["error"] for r in runs.get((impl, t), []) if "error" in r]
         rows = {
-            "decode_tok_s": (med("ours", t, "decode_tok_s"), med("theirs", t, "decode_tok_s")),
-            "ttft_ms": (med("ours", t, "ttft_ms"), med("theirs", t, "ttft_ms")),
+            "decode_tok_s": (med(impl, t, "decode_tok_s"), med("theirs", t, "decode_tok_s")),
+            "ttft_ms": (med(impl, t, "ttft_ms"), med("theirs", t, "ttft_ms")),
             "peak_rss_mb": tuple(None if v is None else v / 2 ** 20 for v in
-                                 (med("ours", t, "peak_rss_bytes"),
+                                 (med(impl, t, "peak_rss_bytes"),
                                   med("theirs", t, "peak_rss_bytes"))),
-            "file_mb": (_size_mb(info["ours"]),
+            "file_mb": (_size_mb(info[impl]),
                         _size_mb(info["theirs"]) if "theirs" in info else None),
         }
         for metric, (o, th) in rows.items():
@@ -257,13 +271,13 @@ def main(argv=None) -> int:
                 rec["ours_error"] = oerrs[0]
             records.append(rec)
             ratio = f"{o / th:.2f}x" if (o and th) else "-"
-            print(f"{case:<9}{metric:<14}{o if o is None else round(o, 1)!s:>10}"
+            print(f"{case:<18}{metric:<14}{o if o is None else round(o, 1)!s:>10}"
                   f"{th if th is None else round(th, 1)!s:>20}{ratio:>8}")
-        same = [r.get("tokens") for r in runs.get(("ours", t), [])[:1] +
+        same = [r.get("tokens") for r in runs.get((impl, t), [])[:1] +
                 runs.get(("theirs", t), [])[:1]]
-        if len(same) == 2:
+        if len(same) == 2 and all(same):
             n = sum(x == y for x, y in zip(*same))
-            print(f"{case:<9}first 16 greedy tokens equal: {n}/16 (different int4 grids)")
+            print(f"{case:<18}first 16 greedy tokens equal: {n}/16 (different int4 grids)")
     if a.json:
         from bench._peers import write_json_records
         write_json_records(a.json, records)

@@ -60,10 +60,16 @@ class ExportResult:
                f"{p.get('max_abs_logit_diff', float('nan')):.2e}, top-1 "
                f"{100 * p.get('top1_agreement', float('nan')):.2f}%") if "top1_agreement" in p \
             else "parity not run"
+        head = ""
+        if "lm_head_int4_ppl_cost" in p:
+            c = p["lm_head_int4_ppl_cost"]
+            head = (f"; int4 lm_head costs {c['cost_pct']:+.2f}% perplexity on the validation "
+                    f"window ({c['window_ppl_int8_head']:.2f} with an 8-bit head -> "
+                    f"{c['window_ppl_int4_head']:.2f})")
         return (f"exported {self.folder} ({self.model_bytes / 2**20:.1f} MiB model, "
                 f"{self.metadata.get('precision')}, graph {self.metadata.get('graph')}); "
                 f"onnx checker {p.get('onnx_checker', 'skipped')}, shape inference "
-                f"{p.get('shape_inference', 'skipped')}; {par}")
+                f"{p.get('shape_inference', 'skipped')}; {par}{head}")
 
 
 def _source_dirs(model, provenance: Optional[dict]) -> list[Path]:

@@ -125,7 +125,37 @@ def parity(model, folder: Path, seqlen: int = 64, seed: int = 0,
            "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).mean())}
     if int_weights:
         out["top1_agreement_vs_given_model"] = float((got.argmax(-1) == dense.argmax(-1)).mean())
+        head = next((k for k in ("lm_head", "model.embed_tokens") if k in int_weights), None)
+        if head is not None and int_weights[head].bits == 4:
+            out["lm_head_int4_ppl_cost"] = head_int4_cost(model, ids, int_weights, head)
     return out
+
+
+def _ppl(logits: np.ndarray, ids: np.ndarray) -> float:
+    lg = logits[0, :-1].astype(np.float64)
+    lg = lg - lg.max(-1, keepdims=True)
+    logp = lg - np.log(np.exp(lg).sum(-1, keepdims=True))
+    return float(np.exp(-logp[np.arange(len(lg)), ids[0, 1:]].mean()))
+
+
+def head_int4_cost(model, ids: np.ndarray, int_weights: dict, head: str) -> dict:
+    """Perplexity of the window with the exported int4 ``lm_head`` vs an 8-bit head
+    (both with the exported body weights): the quality cost of asking for an int4 head
+    (int4 heads are known to make small models repeat themselves)."""
+    import torch
+
+    from .int4 import rtn_int
+
+    w = model.get_submodule(head).weight.detach().float().numpy()
+    q8 = dict(int_weights)
+    q8[head] = rtn_int(w, 8, 32)
+    with torch.no_grad():
+        with substituted_weights(model, int_weights):
+            p4 = _ppl(model(torch.from_numpy(ids)).logits.float().numpy(), ids)
+        with substituted_weights(model, q8):
+            p8 = _ppl(model(torch.from_numpy(ids)).logits.float().numpy(), ids)
+    return {"window_ppl_int4_head": p4, "window_ppl_int8_head": p8,
+            "cost_pct": 100.0 * (p4 / p8 - 1.0)}
 
 
 __all__ = ["check_graph", "parity"]

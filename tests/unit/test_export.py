@@ -203,6 +203,11 @@ def test_int4_lm_head_modes_and_tied_sharing(tok, tmp_path):
     r4 = _export(model, tok, tmp_path / "i4", precision="int4", lm_head="int4", accuracy_level=0)
     assert r4.metadata["quantization"]["lm_head"] == "int4 block 32"
     assert r4.parity["max_abs_logit_diff"] < 1e-3
+    cost = r4.parity["lm_head_int4_ppl_cost"]
+    assert cost["window_ppl_int4_head"] > 1 and "int4 lm_head costs" in r4.summary()
+    assert cost["cost_pct"] == pytest.approx(
+        100 * (cost["window_ppl_int4_head"] / cost["window_ppl_int8_head"] - 1))
+    assert "lm_head_int4_ppl_cost" not in r8.parity
     assert r4.model_bytes < r8.model_bytes
     rf = _export(model, tok, tmp_path / "fp", precision="fp32")
     assert rf.parity["max_abs_logit_diff"] < 1e-4
