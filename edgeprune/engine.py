@@ -193,25 +193,27 @@ class _StatsCollector:
     detected on the first batch and share one statistics object.
     """
 
-    def __init__(self, modules: dict[str, nn.Linear], hessian: bool, device):
+    def __init__(self, modules: dict[str, nn.Linear], hessian: bool, device, error_tokens: int = 0):
         self.modules = modules
         self.hessian = hessian
         self.device = device
+        self.error_tokens = error_tokens
         self.stats: dict[str, InputStats] = {}
         self.leader: dict[str, str] = {}
         self.tokmask: Optional[torch.Tensor] = None
         self._prev = None  # (tensor, leader name) of the last hooked call
-        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
+        self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in modules.items()]
 
     def _hook(self, name):
-        def hook(mod, inp, out):
+        def hook(mod, inp):
             x = inp[0]
             if name not in self.leader:
                 if self._prev is not None and self._prev[0] is x:
                     self.leader[name] = self._prev[1]
                 else:
                     self.leader[name] = name
-                    self.stats[name] = InputStats.empty(x.shape[-1], self.hessian, self.device)
+                    self.stats[name] = InputStats.empty(x.shape[-1], self.hessian, self.device,
+                                                        self.error_tokens)
             lead = self.leader[name]
             self._prev = (x, lead)
             if lead != name:
@@ -229,15 +231,36 @@ class _StatsCollector:
         return hook
 
     def run(self, block, batches):
+        """One forward pass of ``block`` over all batches; returns ``{name: InputStats}``.
+
+        After the first batch, the pass stops right after the last target linear has seen
+        its input (the block's remaining ops and outputs are not needed here).
+        """
+        order: list[str] = []
+        rec = [m.register_forward_pre_hook(lambda mod, inp, n=n: order.append(n)) for n, m in self.modules.items()]
+        stop = None
         with torch.no_grad():
-            for b in batches:
+            for bi, b in enumerate(batches):
                 self.tokmask = b[2]
                 self._prev = None
-                block(b[0], **b[1])
+                try:
+                    block(b[0], **b[1])
+                except _StopForward:
+                    pass
+                if bi == 0:
+                    for h in rec:
+                        h.remove()
+                    if order:
+                        last = self.modules[order[-1]]
+                        stop = last.register_forward_pre_hook(_raise_stop)
         self._prev = None
-        for h in self.handles:
+        for h in self.handles + ([stop] if stop is not None else []):
             h.remove()
         return {n: self.stats[self.leader[n]] for n in self.modules if n in self.leader}
+
+
+def _raise_stop(mod, inp):
+    raise _StopForward
 
 
 def _plan(recipe: Recipe, methods, prefix: str, blocks) -> list[list[tuple[int, list[str]]]]:
@@ -307,7 +330,8 @@ def _baseline_results(cfg, tasks: list[LayerTask], why: str) -> dict[str, LayerR
 
 def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
              attention_mask: Optional[torch.Tensor] = None, device: str | torch.device = "cpu",
-             progress: bool = True, batch_size: int = 8, measure_errors: bool = True) -> CompressionResult:
+             progress: bool = True, batch_size: int = 8, measure_errors: bool = True,
+             error_tokens: int = 2048) -> CompressionResult:
     """Compress ``model`` in place with a recipe, block by block (sequential mode).
 
     Args:
@@ -323,9 +347,11 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
             in turn and returns to its original device.
         progress: show a tqdm bar per block ("block 3/30: gptq q_proj,k_proj,...").
         batch_size: calibration samples per forward pass.
-        measure_errors: accumulate full Hessians for every stage so that
-            ``layer_errors`` is filled (the pruning-only methods need only norms
-            otherwise).
+        measure_errors: fill ``layer_errors``.
+        error_tokens: the errors are measured on the first ``error_tokens`` valid
+            calibration tokens seen by each layer (the same tokens for every method, so
+            errors of different methods compare; methods that need a Hessian still use
+            all tokens for compression).
 
     Returns:
         :class:`CompressionResult`.
@@ -399,8 +425,8 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
                 if bar is not None:
                     short = ",".join(dict.fromkeys(n.rsplit(".", 1)[-1] for n in names))
                     bar.set_description(f"block {bi + 1}/{len(blocks)}: {cfg.method} {short}")
-                need_h = meth.needs_hessian or measure_errors
-                stats = _StatsCollector({n: modules[n] for n in names}, need_h, device).run(block, batches)
+                stats = _StatsCollector({n: modules[n] for n in names}, meth.needs_hessian, device,
+                                        error_tokens if measure_errors else 0).run(block, batches)
                 tasks = []
                 for n in names:
                     w = modules[n].weight.detach().float().clone()
@@ -428,11 +454,12 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
                     final_stats[t.name] = r.stats if r.stats is not None else t.stats
             if measure_errors:
                 for n, st in final_stats.items():
-                    if st.h_sum is not None and st.n_tokens:
-                        result.layer_errors[n] = relative_error(ref[n], modules[n].weight.detach().float(),
-                                                                st.hessian)
-            with torch.no_grad():
-                _run_block(block, batches)
+                    He = st.error_hessian
+                    if He is not None:
+                        result.layer_errors[n] = relative_error(ref[n], modules[n].weight.detach().float(), He)
+            if bi < len(blocks) - 1:  # the last block's outputs feed nothing
+                with torch.no_grad():
+                    _run_block(block, batches)
             block.to(blk_dev)
             if bar is not None:
                 bar.update(1)

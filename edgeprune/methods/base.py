@@ -43,23 +43,49 @@ class InputStats:
     abs_sum: torch.Tensor
     n_tokens: int = 0
     n_excluded: int = 0
+    e_sum: Optional[torch.Tensor] = None
+    e_tokens: int = 0
+    e_cap: int = 0
 
     @classmethod
-    def empty(cls, in_features: int, hessian: bool, device="cpu") -> "InputStats":
+    def empty(cls, in_features: int, hessian: bool, device="cpu", error_tokens: int = 0) -> "InputStats":
+        """Zeroed statistics; ``error_tokens > 0`` also keeps ``X_e^T X_e`` of the first
+        ``error_tokens`` tokens (:attr:`error_hessian`, used to report layer errors)."""
         z = lambda *s: torch.zeros(*s, dtype=torch.float32, device=device)  # noqa: E731
         return cls(h_sum=z(in_features, in_features) if hessian else None,
-                   sq_sum=z(in_features), abs_sum=z(in_features))
+                   sq_sum=z(in_features), abs_sum=z(in_features), e_cap=int(error_tokens))
 
     def add(self, x: torch.Tensor) -> None:
         """Accumulate ``x [tokens, in]`` (already filtered to valid, finite tokens)."""
-        if x.shape[0] == 0:
+        n = x.shape[0]
+        if n == 0:
             return
         x = x.float()
+        k = min(max(self.e_cap - self.e_tokens, 0), n)
         if self.h_sum is not None:
-            self.h_sum.addmm_(x.t(), x)
+            if k and k < n and self.e_sum is None:  # crossing the cap: snapshot the prefix
+                self.h_sum.addmm_(x[:k].t(), x[:k])
+                self.e_sum = self.h_sum.clone()
+                self.h_sum.addmm_(x[k:].t(), x[k:])
+            else:
+                self.h_sum.addmm_(x.t(), x)
+        elif k:
+            if self.e_sum is None:
+                self.e_sum = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+            self.e_sum.addmm_(x[:k].t(), x[:k])
+        self.e_tokens += k
         self.sq_sum += (x * x).sum(0)
         self.abs_sum += x.abs().sum(0)
-        self.n_tokens += x.shape[0]
+        self.n_tokens += n
+
+    @property
+    def error_hessian(self) -> Optional[torch.Tensor]:
+        """``X_e^T X_e / n_e`` over the first ``e_cap`` tokens (all tokens when fewer), or ``None``."""
+        if self.e_tokens == 0:
+            return None
+        if self.e_sum is None:  # never crossed the cap: the full Hessian is the prefix
+            return None if self.h_sum is None else self.h_sum / self.e_tokens
+        return self.e_sum / self.e_tokens
 
     @property
     def hessian(self) -> torch.Tensor:
@@ -81,10 +107,10 @@ class InputStats:
     def scaled(self, s: torch.Tensor) -> "InputStats":
         """Statistics of ``x / s`` (AWQ folds ``s`` into the preceding op): exact transform."""
         inv = 1.0 / s.float()
-        return InputStats(
-            h_sum=None if self.h_sum is None else self.h_sum * inv[:, None] * inv[None, :],
-            sq_sum=self.sq_sum * inv * inv, abs_sum=self.abs_sum * inv,
-            n_tokens=self.n_tokens, n_excluded=self.n_excluded)
+        sc = lambda m: None if m is None else m * inv[:, None] * inv[None, :]  # noqa: E731
+        return InputStats(h_sum=sc(self.h_sum), sq_sum=self.sq_sum * inv * inv, abs_sum=self.abs_sum * inv,
+                          n_tokens=self.n_tokens, n_excluded=self.n_excluded, e_sum=sc(self.e_sum),
+                          e_tokens=self.e_tokens, e_cap=self.e_cap)
 
 
 @dataclass
