@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=170)
     CACHE.mkdir(parents=True, exist_ok=True)
     log = CACHE / "compare_methods.peer.log"
     all_cases = cases()

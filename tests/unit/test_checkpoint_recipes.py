@@ -1,0 +1,55 @@
+"""The shipped preset recipe best-w4: parses, selects layers as intended, fits 4.5 bits/weight."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from edgeprune.quantize import QuantizedWeight
+
+BEST = Path(__file__).resolve().parents[2] / "edgeprune" / "recipes" / "best-w4.yaml"
+
+# SmolLM2-135M decoder linears (out, in), 30 blocks
+SHAPES = {"self_attn.q_proj": (576, 576), "self_attn.k_proj": (192, 576), "self_attn.v_proj": (192, 576),
+          "self_attn.o_proj": (576, 576), "mlp.gate_proj": (1536, 576), "mlp.up_proj": (1536, 576),
+          "mlp.down_proj": (576, 1536)}
+
+
+def _final_quant_stage(recipe, name):
+    """The last quantization stage that selects ``name`` (the one producing the codes)."""
+    hit = [s for s in recipe.stages if s.kind == "quant" and s.selects(name)]
+    return hit[-1] if hit else None
+
+
+def test_best_w4_parses_and_partitions_layers():
+    from edgeprune.recipe import Recipe
+    r = Recipe.from_file(BEST)
+    assert r.name == "best-w4" and [s.method for s in r.stages] == ["awq", "gptq", "gptq"]
+    for i in (0, 17, 29):
+        for short in SHAPES:
+            name = f"model.layers.{i}.{short}"
+            gptq = [s for s in r.stages if s.method == "gptq" and s.selects(name)]
+            assert len(gptq) == 1, name  # exactly one stage produces the codes
+            assert gptq[0].bits == (8 if short == "self_attn.v_proj" else 4)
+            assert r.stages[0].selects(name)  # AWQ scales every decoder linear
+    assert not any(s.selects("lm_head") for s in r.stages)
+
+
+def test_best_w4_average_bits_per_weight_within_budget():
+    from edgeprune.recipe import Recipe
+    r = Recipe.from_file(BEST)
+    tot_bits = tot = 0.0
+    for i in range(30):
+        for short, (o, n) in SHAPES.items():
+            s = _final_quant_stage(r, f"model.layers.{i}.{short}")
+            g = n // s.group_size
+            qw = QuantizedWeight(codes=torch.zeros(o, n, dtype=torch.uint8), scales=torch.ones(o, g),
+                                 zeros=torch.zeros(o, g, dtype=torch.uint8), bits=s.bits,
+                                 group_size=s.group_size, sym=s.sym)
+            tot_bits += qw.bits_per_weight() * o * n
+            tot += o * n
+    avg = tot_bits / tot
+    # 4-bit asym g64 = 4.3125; 8-bit asym g64 = 8.375 on the 3.3M v_proj weights
+    assert abs(avg - (4.3125 + (8.375 - 4.3125) * 30 * 192 * 576 / tot)) < 1e-9
+    assert 4.3 < avg <= 4.5
