@@ -199,21 +199,24 @@ def main(argv=None):
             for t in threads:
                 run_c, sess_c = _decode_speed(d, t, prompt, a.new_tokens, countdown_session=True)
                 run_d = dense_runs[t][0]
-                dd, cc, frac = [], [], []
+                dd, cc, frac, kept = [], [], [], []
                 for _ in range(repeat):
                     dd.append(run_d()[0])
                     tc, _, rep = run_c()
                     cc.append(tc)
                     frac.append(rep["mlp_bytes_fraction"])
+                    kept.append(rep["kept_fraction_mean"])
                 md, mc = statistics.median(dd), statistics.median(cc)
                 case = f"{n}{suffix}-t{t}"
                 rec(records, case, "decode_tok_s", mc)
                 rec(records, case, "decode_tok_s_unfiltered", md)
                 rec(records, case, "speedup", mc / md)
                 rec(records, case, "mlp_bytes_fraction_measured", statistics.mean(frac))
+                rec(records, case, "decode_realised_act_sparsity", 1 - statistics.mean(kept))
                 log(f"{case:14s} decode {mc:6.1f} tok/s vs unfiltered {md:6.1f} -> "
                     f"x{mc / md:.2f}  (runs {[round(x, 1) for x in cc]} vs "
-                    f"{[round(x, 1) for x in dd]}); MLP bytes read {statistics.mean(frac):.3f}")
+                    f"{[round(x, 1) for x in dd]}); MLP bytes read {statistics.mean(frac):.3f}, "
+                    f"decode act-sparsity {1 - statistics.mean(kept):.3f}")
                 sess_c.close()
                 del run_c, sess_c
                 gc.collect()

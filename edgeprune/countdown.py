@@ -374,8 +374,9 @@ def lowrank_factors(W: torch.Tensor, X: torch.Tensor, rank: int,
     C += damp * C.diagonal().mean() * torch.eye(C.shape[0], dtype=C.dtype)
     lam, Q = torch.linalg.eigh(C)
     lam = lam.clamp_min(1e-12)
-    M = lam.sqrt()[:, None] * (Q.T @ W.double().T)                    # [H, I]
+    M = (lam.sqrt()[:, None] * (Q.T @ W.double().T)).float()          # [H, I]
     A, S, Bt = torch.linalg.svd(M, full_matrices=False)
+    A, S, Bt = A.double(), S.double(), Bt.double()
     r = min(rank, S.numel())
     V = Q @ (A[:, :r] / lam.sqrt()[:, None])                          # [H, r]
     U = S[:r, None] * Bt[:r]                                          # [r, I]
@@ -496,12 +497,13 @@ def calibrate_many(model, calib_ids: torch.Tensor, sparsities, mode: str = "m", 
             preds.append(pred)
             score = predictor_score(pred, X, lambda t: _act(mlp, t))
         ca = c.abs()
-        order = ca.argsort(dim=-1, descending=True)
+        order = ca.argsort(dim=-1, descending=True) if len(levels) > 3 else None
         ne = min(err_tokens, c.shape[0])
         Wd = mlp.down_proj.weight.detach().float().cpu()
         for s in levels:
             n_keep = I - int(round(s * I))
-            true_top = torch.zeros_like(c, dtype=torch.bool).scatter_(-1, order[:, :n_keep], True)
+            top = order[:, :n_keep] if order is not None else ca.topk(n_keep, dim=-1).indices
+            true_top = torch.zeros_like(c, dtype=torch.bool).scatter_(-1, top, True)
             tau, rs = per_token_threshold(score, s)
             keep = score.abs() > tau
             a = acc[s]

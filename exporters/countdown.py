@@ -374,6 +374,8 @@ def export_countdown(model, tokenizer, out_dir, spec, *, graph_mode: str = "if",
     from .folder import write_json
 
     _check_spec(spec, model)
+    if float(spec.act_sparsity) == 0.0 and graph_mode in GRAPH_MODES:
+        graph_mode = "dense"     # nothing to skip: same weight layout, no gathers
     with countdown_builders(spec, graph_mode) as made:
         res = export_onnx(model, tokenizer, out_dir, **kwargs)
         b = made[model.config.model_type].last_built

@@ -128,8 +128,8 @@ class CountdownSession(Session):
             elem_pred = item
         r = int(cd.get("rank") or 0)
         dense = 3 * I * row * L
-        if not self.countdown_enabled:
-            per_step = np.full(len(k), dense)
+        if not self.countdown_enabled or all(float(t) < 0 for t in cd.get("thresholds") or [0]):
+            per_step = np.full(len(k), dense)        # filter off / act_sparsity 0: all rows
         elif cd.get("mode") == "m":
             per_step = (I * row + 2 * k * row).sum(1)
         else:
