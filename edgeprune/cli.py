@@ -53,17 +53,11 @@ def _table(title: str, columns: list[str], rows: list[list[Any]]):
     t = Table(title=title)
     for c in columns:
         t.add_column(c, justify="right" if c != columns[0] else "left")
+    from .pipeline import format_value
+
     for r in rows:
-        t.add_row(*[_fmt(v) for v in r])
+        t.add_row(*[format_value(v) for v in r])
     return t
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return "—"
-    if isinstance(v, float):
-        return f"{v:,.4f}" if abs(v) < 10 else f"{v:,.1f}"
-    return str(v)
 
 
 def method_options(f):

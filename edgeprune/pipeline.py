@@ -169,7 +169,7 @@ class RunReport:
         for metric, v in self.rows.items():
             d, c = v.get("dense"), v.get("compressed")
             ratio = f"{c / d:.3f}" if isinstance(d, (int, float)) and isinstance(c, (int, float)) and d else "—"
-            lines.append(f"| {metric} | {_fmt(d)} | {_fmt(c)} | {ratio} |")
+            lines.append(f"| {metric} | {format_value(d)} | {format_value(c)} | {ratio} |")
         p = self.protocol
         lines += ["", f"Perplexity protocol: {p.get('text_source')} (sha256 {str(p.get('text_sha256'))[:12]}…), "
                       f"no BOS, {p.get('nwindows')} windows x {p.get('seqlen')} tokens, "
@@ -182,7 +182,8 @@ class RunReport:
         return "\n".join(lines)
 
 
-def _fmt(v) -> str:
+def format_value(v) -> str:
+    """A table cell: '—' for missing, 4 decimals below 10, one decimal above."""
     if v is None:
         return "—"
     if isinstance(v, float):
