@@ -199,6 +199,31 @@ def _thread_folder(base: Path, threads: int) -> Path:
     return d
 
 
+def quality(folder: Path, nwindows: int, log) -> list[dict]:
+    """WikiText-2 perplexity (512-token windows) of our int4 export vs the PyTorch
+    fake-quantized model with the same integer weights (the issue's 0.5% criterion)."""
+    sys.path.insert(0, str(ROOT))
+    import runtime
+    from edgeprune.evaluate import perplexity
+    from edgeprune.models import load_model
+    from exporters.decoder import BUILDERS, BuildOptions, DecoderSpec
+    from exporters.validate import substituted_weights
+    model, tok = load_model("smollm2-135m")
+    text = ROOT.parent / "shared" / "data" / "wikitext2" / "wiki.test.raw"
+    spec = DecoderSpec.from_model(model)
+    b = BUILDERS[spec.architecture](model, spec, BuildOptions(precision="int4", lm_head="q8",
+                                                              max_length=2048))
+    b.build()
+    with substituted_weights(model, b.int_weights):
+        ref = perplexity(model, tok, text, nwindows=nwindows, progress=False).ppl
+    with runtime.load(folder, max_length=512) as s:
+        got = perplexity(lambda ids: s.logits(ids.numpy()), tok, text, nwindows=nwindows,
+                         progress=False).ppl
+    log(f"quality: torch fake-quant ppl {ref:.3f}, ours {got:.3f} ({100 * (got / ref - 1):+.2f}%)")
+    return [{"case": "int4-quality", "metric": "wikitext2_ppl", "ours": got, "peer": "pytorch",
+             "theirs": ref}]
+
+
 def _size_mb(folder: Path) -> float:
     return sum(f.stat().st_size for f in Path(folder).iterdir()
                if f.name.startswith("model.onnx")) / 2 ** 20
@@ -212,6 +237,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--work", type=Path, default=ROOT / "bench" / ".cache" / "compare_runtimes")
     ap.add_argument("--rebuild", action="store_true")
+    ap.add_argument("--quality", type=int, default=0, metavar="N",
+                    help="also compare WikiText-2 perplexity on N windows vs PyTorch (slow)")
     ap.add_argument("--worker", choices=["ours", "genai"], help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--prompt", help=argparse.SUPPRESS)
@@ -278,6 +305,8 @@ def main(argv=None) -> int:
         if len(same) == 2 and all(same):
             n = sum(x == y for x, y in zip(*same))
             print(f"{case:<18}first 16 greedy tokens equal: {n}/16 (different int4 grids)")
+    if a.quality:
+        records += quality(info["ours"], a.quality, log)
     if a.json:
         from bench._peers import write_json_records
         write_json_records(a.json, records)

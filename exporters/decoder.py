@@ -346,9 +346,13 @@ class DecoderBuilder:
             if q is not None:
                 self._head_int = from_quantized(q, "lm_head")
             else:
-                self._head_int = rtn_int(self.param("lm_head.weight") if not tied else
-                                         self.param("model.embed_tokens.weight"),
-                                         8 if head_mode == "q8" else 4, 32)
+                w = self.param("lm_head.weight") if not tied else \
+                    self.param("model.embed_tokens.weight")
+                # 8-bit: the largest block in (128, 64, 32) dividing K (fewer scale bytes
+                # read per token, no measurable quality change); int4 head: block 32
+                bs = next((b for b in (128, 64) if w.shape[1] % b == 0), 32) \
+                    if head_mode == "q8" else 32
+                self._head_int = rtn_int(w, 8 if head_mode == "q8" else 4, bs)
         if self._head_int is not None:
             self.int_weights["lm_head" if not tied else "model.embed_tokens"] = self._head_int
         if tied and self._head_int is not None and self._head_int.perm is None and self.fused:

@@ -72,7 +72,7 @@ def test_int4_size_and_agreement(smollm2, fp32_folder, tmp_path):
     res = exporters.export_onnx(model, tok, tmp_path / "int4", precision="int4",
                                 max_length=1024, accuracy_level=0, parity_tokens=256)
     assert res.model_bytes <= 0.35 * fp32.model_bytes
-    assert res.metadata["quantization"]["lm_head"] == "int8 block 32"
+    assert res.metadata["quantization"]["lm_head"] == "int8 block 64"   # 576 = 9 x 64
     assert res.parity["reference"].startswith("torch model with the exported integer")
     assert res.parity["top1_agreement"] >= 0.99          # accuracy_level 0: packing exact
     assert res.parity["max_abs_logit_diff"] < 1e-2

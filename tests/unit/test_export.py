@@ -195,7 +195,7 @@ def test_int4_lm_head_modes_and_tied_sharing(tok, tmp_path):
     from conftest import _tiny
     model = _tiny(LlamaConfig, tie_word_embeddings=True)
     r8 = _export(model, tok, tmp_path / "q8", precision="int4", accuracy_level=0)
-    assert r8.metadata["lm_head"] == "q8" and r8.metadata["quantization"]["lm_head"] == "int8 block 32"
+    assert r8.metadata["lm_head"] == "q8" and r8.metadata["quantization"]["lm_head"] == "int8 block 64"
     m = onnx.load(str(tmp_path / "q8" / "model.onnx"))
     names = [i.name for i in m.graph.initializer]
     assert "model.embed_tokens.weight" not in names and "lm_head.qweight" in names
