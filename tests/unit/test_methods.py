@@ -48,8 +48,8 @@ def _linears(model):
 
 # ----------------------------------------------------------------------------- patterns
 
-@pytest.mark.parametrize("cfg_cls", [MagnitudeConfig, WandaConfig, SparseGPTConfig])
-@pytest.mark.parametrize("n,m", [(2, 4), (4, 8)])
+@pytest.mark.parametrize("cfg_cls,n,m", [(MagnitudeConfig, 2, 4), (WandaConfig, 2, 4), (SparseGPTConfig, 2, 4),
+                                         (WandaConfig, 4, 8), (SparseGPTConfig, 4, 8)])
 def test_nm_pattern_exact(tiny_llama, cfg_cls, n, m):
     res = compress(tiny_llama, cfg_cls(prune_n=n, prune_m=m), _calib(), progress=False)
     lin = _linears(tiny_llama)
@@ -63,8 +63,8 @@ def test_nm_pattern_exact(tiny_llama, cfg_cls, n, m):
         assert abs(res.sparsity()[name] - (1 - n / m)) < 0.01
 
 
-@pytest.mark.parametrize("cfg_cls", [MagnitudeConfig, WandaConfig, SparseGPTConfig])
-@pytest.mark.parametrize("sparsity", [0.5, 0.3])
+@pytest.mark.parametrize("cfg_cls,sparsity", [(MagnitudeConfig, 0.3), (WandaConfig, 0.3), (SparseGPTConfig, 0.3),
+                                               (SparseGPTConfig, 0.7)])
 def test_unstructured_sparsity_within_0p1_percent(tiny_qwen2, cfg_cls, sparsity):
     res = compress(tiny_qwen2, cfg_cls(sparsity=sparsity), _calib(), progress=False)
     for name, mod in _linears(tiny_qwen2).items():
@@ -187,24 +187,20 @@ def test_error_ordering_pure_functions():
     del n
 
 
-@pytest.mark.parametrize("quant", [RTNConfig, GPTQConfig, AWQConfig])
-def test_layer_errors_quant_vs_rtn_on_tiny(tiny_llama, quant):
+def test_layer_errors_quant_vs_rtn_on_tiny(tiny_llama):
     import copy
-    base = copy.deepcopy(tiny_llama)
     ids = _calib(8, 48)
-    r_rtn = compress(base, RTNConfig(group_size=32), ids, progress=False)
-    r = compress(tiny_llama, quant(group_size=32), ids, progress=False)
-    assert set(r.layer_errors) == set(_linears(tiny_llama))
-    assert all(0 < v < 0.1 for v in r.layer_errors.values())
-    if quant is RTNConfig:
-        assert r.layer_errors == pytest.approx(r_rtn.layer_errors)
-        return
-    # block 0 sees identical inputs in both runs: compare layer by layer there
-    for n, v in r.layer_errors.items():
-        if ".layers.0." in n:
-            assert v <= r_rtn.layer_errors[n] * 1.0001, n
+    r_rtn = compress(copy.deepcopy(tiny_llama), RTNConfig(group_size=32), ids, progress=False)
+    assert set(r_rtn.layer_errors) == set(_linears(tiny_llama))
+    assert all(0 < v < 0.1 for v in r_rtn.layer_errors.values())
     mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
-    assert mean(r.layer_errors) < mean(r_rtn.layer_errors)
+    for quant in (GPTQConfig, AWQConfig):
+        r = compress(copy.deepcopy(tiny_llama), quant(group_size=32), ids, progress=False)
+        # block 0 sees identical inputs in both runs: compare layer by layer there
+        for n, v in r.layer_errors.items():
+            if ".layers.0." in n:
+                assert v <= r_rtn.layer_errors[n] * 1.0001, (quant.method, n)
+        assert mean(r.layer_errors) < mean(r_rtn.layer_errors)
 
 
 def test_layer_errors_prune_vs_magnitude_on_tiny(tiny_llama):
@@ -437,3 +433,15 @@ def test_inputstats_scaled_is_exact():
     b.add(x / s)
     sa = a.scaled(s)
     assert torch.allclose(sa.h_sum, b.h_sum, atol=1e-4) and torch.allclose(sa.abs_sum, b.abs_sum, atol=1e-5)
+
+
+def test_sparsegpt_nm_independent_of_block_sizes():
+    """N:M masks are chosen from up-to-date weights, so odd block widths change nothing."""
+    W, _, H = _synthetic(out=16, inp=96)
+    a = sparsegpt_prune(W, H, prune_n=2, prune_m=4, blocksize=128)
+    b = sparsegpt_prune(W, H, prune_n=2, prune_m=4, blocksize=6)  # groups straddle blocks
+    assert (a[1] != b[1]).float().mean() < 0.005
+    assert torch.allclose(a[0], b[0], atol=1e-3)
+    c = sparsegpt_prune(W, H, prune_n=2, prune_m=4, bits=4, group_size=32, blocksize=20)
+    d = sparsegpt_prune(W, H, prune_n=2, prune_m=4, bits=4, group_size=32, blocksize=128)
+    assert (c[2].codes != d[2].codes).float().mean() < 0.01
