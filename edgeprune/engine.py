@@ -406,8 +406,12 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
         for mod in moved:
             _move_own(mod, device)
     try:
-        with torch.no_grad():
-            batches = _capture_block_inputs(model, blocks, calib_ids, attention_mask, batch_size, device)
+        # data-free recipes (magnitude / RTN without error measurement) need no forward pass
+        need_data = measure_errors or not all(m.data_free for m in methods)
+        batches = []
+        if need_data:
+            with torch.no_grad():
+                batches = _capture_block_inputs(model, blocks, calib_ids, attention_mask, batch_size, device)
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -425,8 +429,11 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
                 if bar is not None:
                     short = ",".join(dict.fromkeys(n.rsplit(".", 1)[-1] for n in names))
                     bar.set_description(f"block {bi + 1}/{len(blocks)}: {cfg.method} {short}")
-                stats = _StatsCollector({n: modules[n] for n in names}, meth.needs_hessian, device,
-                                        error_tokens if measure_errors else 0).run(block, batches)
+                if meth.data_free and not measure_errors:
+                    stats = {n: InputStats.empty(modules[n].in_features, False, device) for n in names}
+                else:
+                    stats = _StatsCollector({n: modules[n] for n in names}, meth.needs_hessian, device,
+                                            error_tokens if measure_errors else 0).run(block, batches)
                 tasks = []
                 for n in names:
                     w = modules[n].weight.detach().float().clone()
@@ -457,7 +464,7 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
                     He = st.error_hessian
                     if He is not None:
                         result.layer_errors[n] = relative_error(ref[n], modules[n].weight.detach().float(), He)
-            if bi < len(blocks) - 1:  # the last block's outputs feed nothing
+            if need_data and bi < len(blocks) - 1:  # the last block's outputs feed nothing
                 with torch.no_grad():
                     _run_block(block, batches)
             block.to(blk_dev)

@@ -175,6 +175,9 @@ class Method:
     name = ""
     kind = "prune"
     needs_hessian = False
+    #: True when the method uses no calibration statistics (magnitude, RTN): with
+    #: ``measure_errors=False`` the engine then runs no forward pass for it.
+    data_free = False
 
     def __init__(self, config):
         self.config = config

@@ -38,6 +38,7 @@ class Magnitude(Method):
 
     name = "magnitude"
     kind = "prune"
+    data_free = True
 
     def compress_layer(self, task: LayerTask) -> LayerResult:
         c = self.config

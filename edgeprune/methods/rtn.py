@@ -16,6 +16,7 @@ class RTN(Method):
 
     name = "rtn"
     kind = "quant"
+    data_free = True
 
     def compress_layer(self, task: LayerTask) -> LayerResult:
         c = self.config

@@ -226,3 +226,19 @@ def test_method_config_from_name_drops_none():
     assert isinstance(c, GPTQConfig) and c.bits == 3 and c.group_size == 64 and c.act_order
     assert method_config_from_name("magnitude", sparsity=0.25).selects("model.layers.0.mlp.up_proj")
     assert not MagnitudeConfig().selects("lm_head")
+
+
+def test_data_free_recipe_runs_no_forward(tiny_llama, monkeypatch):
+    """RTN / magnitude without error measurement never run the model; same weights as with."""
+    ref = copy.deepcopy(tiny_llama)
+    calls = []
+    monkeypatch.setattr(type(tiny_llama.model), "forward",
+                        lambda *a, **k: calls.append(1) or (_ for _ in ()).throw(AssertionError("forward ran")))
+    recipe = [MagnitudeConfig(prune_n=2, prune_m=4), RTNConfig(group_size=32)]
+    res = compress(tiny_llama, recipe, _ids(), progress=False, measure_errors=False)
+    assert not calls and not res.layer_errors and len(res.quantized) == 14
+    monkeypatch.undo()
+    res2 = compress(ref, recipe, _ids(), progress=False)
+    assert len(res2.layer_errors) == 14
+    for (n, a), (_, b) in zip(_linears(tiny_llama).items(), _linears(ref).items()):
+        assert torch.equal(a.weight, b.weight), n
