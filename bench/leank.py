@@ -71,6 +71,11 @@ class EvalCache:
         return None
 
     def put(self, key, value):
+        if self.path.exists():      # merge: another bench process may have added results
+            try:
+                self.data = {**json.loads(self.path.read_text()), **self.data}
+            except ValueError:
+                pass
         self.data[key] = value
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
@@ -98,6 +103,10 @@ def get_masks(model, tok, keeps, methods, args):
             if keep >= 1.0:
                 continue
             path = CACHE / f"mask_{method}_{keep:g}_n{args.nsamples}_st{args.steps}.json"
+            if args.quick and not path.exists() and not args.fresh:
+                # --quick: any cached mask of this method and budget (its meta says how)
+                found = sorted(CACHE.glob(f"mask_{method}_{keep:g}_*.json"))
+                path = found[0] if found else path
             if path.exists() and not args.fresh:
                 out[(method, keep)] = (LeanKMask.load(path), True)
                 _log(f"mask {method} {keep:g}: cached {path.name}")
@@ -168,6 +177,35 @@ def dense_decode_speed(sess, context: int, steps: int = 16, warmup: int = 2) -> 
     return {"tok_s": 1.0 / med, "step_ms": med * 1e3}
 
 
+def plain_decode_speed(sess, context: int, steps: int = 16, warmup: int = 2) -> dict:
+    """Decode tokens/s of a dense plain-ops session (concatenated cache, standard ONNX ops)
+    with ``context`` cached tokens (random cache values, mask and positions set)."""
+    import onnxruntime as ort
+    rng = np.random.default_rng(0)
+    st = sess._prefill([[1]])
+    cache = st["cache"]
+    base = []
+    for i in range(cache.spec.num_layers):
+        pair = []
+        for d in (cache.spec.key_dims[i], cache.spec.value_dims[i]):
+            a = rng.standard_normal((1, cache.spec.kv_heads[i], context - 1, d)).astype(
+                cache.spec.dtype)
+            pair.append(ort.OrtValue.ortvalue_from_numpy(a))
+        base.append(tuple(pair))
+    times = []
+    for s in range(warmup + steps):
+        cache.values = list(base)
+        st["mask"] = np.ones((1, context - 1), np.int64)
+        st["pos"] = np.array([[context - 2]], np.int64)
+        st["lens"][:] = context - 1
+        t0 = time.perf_counter()
+        sess._decode_step(st, np.array([1], np.int64))
+        if s >= warmup:
+            times.append(time.perf_counter() - t0)
+    med = float(np.median(times))
+    return {"tok_s": 1.0 / med, "step_ms": med * 1e3}
+
+
 def runtime_records(model, tok, masks, order, by_name, args, rec) -> list:
     """Export (fp32 and int4 weights) and measure K/V cache bytes and decode speed."""
     import exporters
@@ -176,33 +214,37 @@ def runtime_records(model, tok, masks, order, by_name, args, rec) -> list:
     L, N, KV, D = kv_geometry(model)
     out_root = CACHE / "exports"
     ctx = 2048
-    variants = [("dense-gqa", None)] + [(n, by_name[n][2]) for n in order
+    variants = [("dense-gqa", None), ("dense-plain", None)] + [(n, by_name[n][2]) for n in order
                                        if n in ("keep1.0", "keep0.3-learned", "keep0.3-magnitude",
                                                 "keep0.5-learned", "keep0.2-learned")]
     speeds: dict = {}
     for precision in ("fp32", "int4"):
         for name, mask in variants:
-            if precision == "int4" and name not in ("dense-gqa", "keep1.0", "keep0.3-learned"):
+            if precision == "int4" and (args.quick or name not in ("dense-gqa", "keep1.0",
+                                                                   "keep0.3-learned")):
+                continue
+            if name == "dense-plain" and precision != "fp32":
                 continue
             folder = out_root / f"{name}-{precision}"
             cached = folder.exists() and not args.fresh
             if not cached:
-                kw = {}
-                if name != "dense-gqa":
+                kw = {"graph": "plain" if name == "dense-plain" else "fused"}
+                if not name.startswith("dense"):
                     kw = dict(leank=mask if mask is not None else LeanKMask.full(L, KV, D),
                               leank_sink=args.sink, leank_window=args.window)
                 t0 = time.time()
-                r = exporters.export_onnx(model, tok, folder, precision=precision, graph="fused",
+                r = exporters.export_onnx(model, tok, folder, precision=precision,
                                           max_length=ctx + 64, overwrite=True, **kw)
                 _log(f"exported {folder.name} in {time.time() - t0:.0f}s: "
                      f"parity {r.parity.get('max_abs_logit_diff')}")
             sess = runtime.load(folder, threads=args.threads, max_length=ctx + 64)
             sp = dense_decode_speed(sess, ctx) if name == "dense-gqa" else \
+                plain_decode_speed(sess, ctx) if name == "dense-plain" else \
                 sess.decode_speed(ctx, steps=16)
             speeds[(name, precision)] = sp["tok_s"]
             sfx = "" if precision == "fp32" else "_int4"
             rec(name, f"decode_tok_s_{ctx}{sfx}", sp["tok_s"])
-            if name != "dense-gqa" and precision == "fp32":
+            if not name.startswith("dense") and precision == "fp32":
                 b = sess.kv_cache_bytes(ctx)
                 rec(name, "k_cache_fraction", b["k_middle"] / b["k_middle_dense"], cached)
                 rec(name, f"k_cache_middle_bytes_{ctx}", b["k_middle"], cached)
@@ -215,8 +257,10 @@ def runtime_records(model, tok, masks, order, by_name, args, rec) -> list:
         sfx = "" if precision == "fp32" else "_int4"
         if name != "keep1.0" and ("keep1.0", precision) in speeds:
             rec(name, f"decode_speedup_vs_keep1.0{sfx}", v / speeds[("keep1.0", precision)])
-        if name != "dense-gqa" and ("dense-gqa", precision) in speeds:
+        if not name.startswith("dense") and ("dense-gqa", precision) in speeds:
             rec(name, f"decode_speedup_vs_dense_gqa{sfx}", v / speeds[("dense-gqa", precision)])
+        if not name.startswith("dense") and ("dense-plain", precision) in speeds:
+            rec(name, f"decode_speedup_vs_dense_plain{sfx}", v / speeds[("dense-plain", precision)])
     return []
 
 
@@ -225,12 +269,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--quick", action="store_true",
-                    help="keep 1.0/0.3 only, 2 windows, 4 retrieval trials (< 10 min)")
+                    help="keep 1.0/0.3 only, 2 windows, 4 retrieval trials, no stress, fp32 "
+                         "runtime only; reuses any cached mask (< 10 min)")
     ap.add_argument("--keeps", default="1.0,0.5,0.3,0.2")
     ap.add_argument("--methods", default="learned,magnitude")
     ap.add_argument("--phases", default="masks,ppl,stress,retrieval,runtime")
     ap.add_argument("--nwindows", type=int, default=10)
     ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--stress-nwindows", type=int, default=10)
+    ap.add_argument("--order", default=None, help="comma list of kind:case jobs to run, in order")
     ap.add_argument("--sink", type=int, default=DEFAULT_SINK)
     ap.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     ap.add_argument("--alignment", type=int, default=DEFAULT_ALIGNMENT)
@@ -250,6 +297,10 @@ def main(argv=None):
         keeps = [1.0, 0.3]
         args.nwindows, args.trials = 2, 4
         args.retrieval_keeps = "1.0,0.3"
+        if args.phases == ap.get_default("phases"):
+            phases = {"masks", "ppl", "retrieval", "runtime"}
+        if not any(CACHE.glob("stage1_*.npz")):
+            args.steps, args.nsamples = 8, 1     # no cached stage 1: a short one (labelled)
     ppl_keeps = [float(k) for k in (args.ppl_keeps or ",".join(map(str, keeps))).split(",")]
     retr_keeps = [float(k) for k in args.retrieval_keeps.split(",")]
 
@@ -284,6 +335,8 @@ def main(argv=None):
         jobs += [("ppl", n) for n in order[:3]]
     if "stress" in phases and "keep0.3-learned" in by_name:
         jobs.append(("stress", "keep0.3-learned"))
+        if args.stress_nwindows != args.nwindows:
+            jobs.append(("ppl_first", "keep1.0"))
     if "retrieval" in phases:
         jobs += [("retrieval", n) for n in order[:2] if by_name[n][0] in retr_keeps]
     if "stress" in phases and "keep0.3-magnitude" in by_name:
@@ -294,17 +347,23 @@ def main(argv=None):
         jobs += [("retrieval", n) for n in order[2:] if by_name[n][0] in retr_keeps]
     if "ppl512" in phases:
         jobs += [("ppl512", n) for n in order]
+    if args.order:
+        jobs = [tuple(j.split(":")) for j in args.order.split(",")]
     results: dict = {}
     for kind, name in jobs:
         keep, method, mask = by_name[name]
         if kind == "ppl":
             v, c = eval_ppl(model, tok, mask, cache, 2048, args.nwindows, args.sink, args.window)
             results[(name, "ppl")] = (v["ppl"], c)
+        elif kind == "ppl_first":
+            v, c = eval_ppl(model, tok, mask, cache, 2048, args.stress_nwindows, args.sink,
+                            args.window)
+            results[(name, "ppl_first")] = (v["ppl"], c)
         elif kind == "ppl512":
             v, c = eval_ppl(model, tok, mask, cache, 512, 40, args.sink, args.window)
             results[(name, "ppl512")] = (v["ppl"], c)
         elif kind == "stress":
-            v, c = eval_ppl(model, tok, mask, cache, 2048, args.nwindows, 0, 0)
+            v, c = eval_ppl(model, tok, mask, cache, 2048, args.stress_nwindows, 0, 0)
             results[(name, "stress")] = (v["ppl"], c)
         else:
             r, c = eval_retrieval(model, tok, mask, cache, args.trials, args.sink, args.window)
@@ -323,9 +382,12 @@ def main(argv=None):
                 rec(name, "ppl_increase_pct", 100 * (v / dense_ppl - 1), c)
         if (name, "stress") in results:
             v, c = results[(name, "stress")]
-            rec(name, f"ppl_stress_sink0_window0_2048x{args.nwindows}", v, c)
-            if dense_ppl:
-                rec(name, "ppl_stress_increase_pct", 100 * (v / dense_ppl - 1), c)
+            rec(name, f"ppl_stress_sink0_window0_2048x{args.stress_nwindows}", v, c)
+            dstress = results.get(("keep1.0", "ppl_first"), (None,))[0] or \
+                (dense_ppl if args.stress_nwindows == args.nwindows else None)
+            if dstress:
+                rec(name, f"ppl_stress_increase_pct_vs_dense_2048x{args.stress_nwindows}",
+                    100 * (v / dstress - 1), c)
         if (name, "ppl512") in results:
             rec(name, "ppl_512x40", *results[(name, "ppl512")])
         if (name, "retrieval") in results:

@@ -131,7 +131,7 @@ def test_learned_mask_beats_random_masks(tiny_llama):
     """The learned mask's pruned attention stays closer to dense than random masks do."""
     L, N, KV, D = kv_geometry(tiny_llama)
     calib = _calib(4, 64)
-    mk = learn_mask(tiny_llama, calib, 0.5, alignment=4, steps=30, finetune_steps=10,
+    mk = learn_mask(tiny_llama, calib, 0.5, alignment=4, steps=25, finetune_steps=5,
                     train_window=8)
     assert abs(mk.fraction - 0.5) < 1e-9 and mk.method == "learned"
     assert (mk.counts() >= 4).all()                       # default: no dead head
