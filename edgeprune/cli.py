@@ -66,7 +66,7 @@ def method_options(f):
         click.option("--method", type=click.Choice(METHODS), default=None,
                      help="Compression method (default for run: gptq int4 g64)."),
         click.option("--recipe", type=click.Path(dir_okay=False), default=None,
-                     help="TOML/YAML recipe chaining methods (overrides --method)."),
+                     help="TOML/YAML recipe file chaining methods, or a preset name such as best-w4 (overrides --method)."),
         click.option("--bits", type=int, default=None, help="Quantization bits: 2, 3, 4 or 8."),
         click.option("--group-size", type=int, default=None, help="Quantization group size (-1 = per row)."),
         click.option("--sym/--asym", default=None, help="Symmetric or asymmetric grid."),

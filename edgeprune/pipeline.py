@@ -81,6 +81,30 @@ class RunConfig:
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+PRESETS_DIR = Path(__file__).resolve().parent / "recipes"
+
+
+def preset_names() -> list[str]:
+    """Names of the recipe presets shipped in ``edgeprune/recipes/`` (e.g. ``best-w4``)."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def resolve_recipe(recipe: str) -> Path:
+    """A recipe file path, or the file of a shipped preset name.
+
+    Raises:
+        ConfigError: neither an existing file nor a preset name.
+    """
+    p = Path(recipe).expanduser()
+    if p.is_file():
+        return p
+    preset = PRESETS_DIR / f"{recipe}.yaml"
+    if preset.is_file():
+        return preset
+    raise ConfigError(f"recipe {recipe!r} is neither a file nor a preset",
+                      f"pass a TOML/YAML file or one of: {', '.join(preset_names())}")
+
+
 def build_recipe(cfg: RunConfig):
     """The :class:`~edgeprune.recipe.Recipe` a run config asks for.
 
@@ -90,7 +114,7 @@ def build_recipe(cfg: RunConfig):
     from .recipe import Recipe, method_config_from_name
 
     if cfg.recipe:
-        return Recipe.from_file(cfg.recipe)
+        return Recipe.from_file(resolve_recipe(cfg.recipe))
     ms = cfg.method_settings()
     name = ms.pop("method")
     return Recipe(stages=[method_config_from_name(name, **ms)], name=name)
