@@ -110,8 +110,13 @@ def enable_compact(builder) -> None:
         ok, _ = is_24(W)
         if not ok:
             return orig(x, W, name, module_names)
+        row = 0
         for m in module_names:
             builder.quant_summary[m] = "2:4 compact fp16"
+            n_out = builder.modules[m].weight.shape[0]
+            # validation compares against the torch model with these fp16-rounded values
+            builder.int_weights[m] = Fp16Weight(W[row:row + n_out])
+            row += n_out
         builder.compact_24_layers.append(name)
         N, K = W.shape
         vals, packed = compress_24(W)
@@ -133,6 +138,19 @@ def enable_compact(builder) -> None:
         return g.matmul(x, g.transpose(dense, [1, 0], name=name + "/wT"), name=name)
 
     builder._float_matmul = compact_matmul
+
+
+class Fp16Weight:
+    """A float weight as stored by the compact form (values rounded to float16); the
+    ``dequantize`` interface of :class:`exporters.int4.IntWeight` for validation."""
+
+    bits = 16
+
+    def __init__(self, w: np.ndarray):
+        self.w = w
+
+    def dequantize(self, original_order: bool = True) -> np.ndarray:
+        return self.w.astype(np.float16).astype(np.float32)
 
 
 def _zero_tensor(elem_type):

@@ -124,3 +124,17 @@ def test_tensorrt_sparsity_flag(monkeypatch):
     monkeypatch.setattr(session.ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
     with pytest.raises(runtime.RuntimeLoadError, match="TensorRT"):
         session._providers("tensorrt", True)
+
+
+def test_compact24_validation_uses_fp16_values(tiny_qwen2, tok, tmp_path):
+    """Values not exactly representable in fp16: the export's parity reference is the
+    torch model with the fp16-rounded values, so it stays exact; vs the fp32 model the
+    difference is the (small) fp16 rounding."""
+    model = _prune_24(tiny_qwen2)
+    comp = exporters.export_onnx(model, tok, tmp_path / "c", compact_24=True, lm_head="fp",
+                                 max_length=128)
+    assert comp.parity["max_abs_logit_diff"] < 1e-4
+    ids = rand_ids(24, seed=4)
+    with runtime.load(tmp_path / "c") as s:
+        diff = np.abs(s.logits(ids) - _logits(model, ids)).max()
+    assert 1e-6 < diff < 2e-2
