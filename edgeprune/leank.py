@@ -417,6 +417,61 @@ def leank_scores(query, key, scaling, st, qpos, kpos):
     return s.masked_fill(~allowed[None, None], float("-inf"))
 
 
+def _gathered(query, key, st):
+    """Per KV head: kept query channels (scaled) ``[B, rep, S, W_h]`` and kept key channels
+    ``[B, T, W_h]`` (``None`` for a dead head), gathered once per layer call."""
+    B, N, S, D = query.shape
+    KV = key.shape[1]
+    qv = query.view(B, KV, N // KV, S, D)
+    out = []
+    for h in range(KV):
+        idx = st["idx"][h]
+        if idx is None:
+            out.append(None)
+            continue
+        out.append((qv[:, h].index_select(-1, idx) * st["sc"][h],
+                    key[:, h].index_select(-1, idx)))
+    return out
+
+
+def _chunk_scores_infer(query, key, scaling, st, gq, a, b, T, S):
+    """LeanK logits of queries ``a:b`` (absolute positions ``T-S+a ..``) against keys
+    ``0..Tb`` (inference): pruned-channel scores everywhere, full scores only on the
+    sink and on the keys some query of the chunk sees within its window."""
+    B, N, _, D = query.shape
+    KV = key.shape[1]
+    rep = N // KV
+    Tb = T - S + b
+    q0 = T - S + a
+    sink, window = st["sink"], st["window"]
+    parts = []
+    for h in range(KV):
+        if gq[h] is None:
+            parts.append(torch.full((B, rep, b - a, Tb), float("-inf"), dtype=query.dtype,
+                                    device=query.device))
+        else:
+            qh, kh = gq[h]
+            parts.append(torch.matmul(qh[:, :, a:b], kh[:, :Tb].transpose(1, 2)[:, None]))
+    s = torch.cat(parts, 1).mul_(scaling)                                   # [B,N,c,Tb]
+    qc = query[:, :, a:b]
+    lo = max(0, q0 - window + 1)                   # first key inside any query's window
+    ns = min(sink, lo)
+    qpos = torch.arange(q0, T - S + b, device=query.device)
+    kpos = torch.arange(Tb, device=query.device)
+    qg = qc.reshape(B, KV, rep * (b - a), D)
+    if ns > 0:                                     # sink keys: full for every query
+        sf = torch.matmul(qg, key[:, :, :ns].transpose(2, 3)).view(B, N, b - a, ns)
+        s[..., :ns] = sf.mul_(scaling)
+    if lo < Tb:
+        kb = kpos[lo:]
+        sf = torch.matmul(qg, key[:, :, lo:Tb].transpose(2, 3)).view(B, N, b - a, Tb - lo)
+        sf.mul_(scaling)
+        full = (kb[None, :] < sink) | (kb[None, :] > qpos[:, None] - window)
+        s[..., lo:] = torch.where(full[None, None], sf, s[..., lo:])
+        s[..., lo:].masked_fill_((kb[None, :] > qpos[:, None])[None, None], float("-inf"))
+    return s
+
+
 def _leank_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                      **kwargs):
     """HF attention function with LeanK's per-query full/pruned regions.
@@ -442,12 +497,18 @@ def _leank_attention(module, query, key, value, attention_mask, scaling=None, dr
             stats["q2"][module.layer_idx] += q2.cpu().double()
             stats["k2"][module.layer_idx] += k2.cpu().double()
         st = None
+    infer = st is not None and "idx" in st and not torch.is_grad_enabled()
+    gq = _gathered(query, key, st) if infer else None
     chunk = S if (query.requires_grad or S <= QUERY_CHUNK) else QUERY_CHUNK
     outs = []
     for a in range(0, S, chunk):
         b = min(S, a + chunk)
         Tb = T - S + b                  # causal: keys after the chunk's last query are unused
-        s = leank_scores(query[:, :, a:b], key[:, :, :Tb], scaling, st, qpos[a:b], kpos[:Tb])
+        if infer:
+            s = _chunk_scores_infer(query, key, scaling, st, gq, a, b, T, S)
+        else:
+            s = leank_scores(query[:, :, a:b], key[:, :, :Tb], scaling, st, qpos[a:b],
+                             kpos[:Tb])
         if attention_mask is not None and attention_mask.dim() == 4:
             am = attention_mask[..., a:b, :Tb]
             s = s.masked_fill(~am, float("-inf")) if am.dtype == torch.bool else s + am
