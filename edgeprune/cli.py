@@ -248,11 +248,27 @@ def _load_any(source: str, threads=None):
 @click.option("--group-size", type=int, default=64, show_default=True,
               help="RTN group size for weights quantized at export (no codes in the checkpoint).")
 @click.option("--max-length", type=int, default=None)
+@click.option("--k-keep", type=float, default=None,
+              help="LeanK: fraction of key channels kept in the middle of the KV cache, in (0, 1].")
+@click.option("--leank-mask", default=None, help="LeanK: a mask JSON from `edgeprune leank` (else learned now).")
+@click.option("--leank-method", type=click.Choice(["learned", "magnitude"]), default="learned", show_default=True)
+@click.option("--leank-sink", type=int, default=None, help="LeanK: first tokens keeping full keys.")
+@click.option("--leank-window", type=int, default=None, help="LeanK: recent tokens keeping full keys.")
+@click.option("--act-sparsity", type=float, default=None,
+              help="COUNTDOWN: fraction of MLP coefficients skipped per decode token, in [0, 1).")
+@click.option("--countdown", "countdown_mode", type=click.Choice(["m", "d"]), default="d", show_default=True,
+              help="COUNTDOWN variant: m (threshold up(x)) or d (low-rank predictor).")
+@click.option("--calib", default=None, help="Calibration text for LeanK/COUNTDOWN (default: embedded text).")
 @click.option("--overwrite", is_flag=True)
 @click.option("--json", "json_path", default=None)
 def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head, accuracy_level,
-               group_size, max_length, overwrite, json_path):
-    """Export CHECKPOINT (checkpoint, HF folder, .gguf or alias) to an ONNX folder OUT."""
+               group_size, max_length, k_keep, leank_mask, leank_method, leank_sink, leank_window,
+               act_sparsity, countdown_mode, calib, overwrite, json_path):
+    """Export CHECKPOINT (checkpoint, HF folder, .gguf or alias) to an ONNX folder OUT.
+
+    With --k-keep the key cache keeps only LeanK's kept channels (LeanK, EMNLP 2025); with
+    --act-sparsity decode steps skip MLP coefficients (COUNTDOWN, EMNLP 2025).
+    """
     import exporters
 
     from . import checkpoint as ckpt
@@ -269,12 +285,60 @@ def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head
     else:
         model, tok = load_model(checkpoint)
     precision = precision or ("int4" if quantized else "fp32")
-    res = exporters.export_onnx(model, tok, out, precision=precision, quantized=quantized, sparsity=sparsity,
-                                sparse_24=sparse_24, compact_24=compact_24, graph=graph, lm_head=lm_head,
-                                accuracy_level=accuracy_level, group_size=group_size, max_length=max_length,
-                                provenance=prov, overwrite=overwrite)
+    kwargs = dict(precision=precision, quantized=quantized, sparsity=sparsity, sparse_24=sparse_24,
+                  compact_24=compact_24, graph=graph, lm_head=lm_head, accuracy_level=accuracy_level,
+                  group_size=group_size, max_length=max_length, provenance=prov, overwrite=overwrite)
+    if k_keep is not None and act_sparsity is not None:
+        raise ConfigError("--k-keep and --act-sparsity cannot be combined in one export yet",
+                          "export LeanK and COUNTDOWN variants separately")
+    calib_ids = None
+    if (k_keep is not None and not leank_mask) or act_sparsity is not None:
+        from .calibration import build_calibration
+
+        calib_ids = build_calibration(tok, calib, nsamples=16, seqlen=512).input_ids
+    if k_keep is not None or leank_mask:
+        from . import leank as lk
+
+        if leank_mask:
+            mask = lk.LeanKMask.load(leank_mask)
+        else:
+            lk.check_leank_args(k_keep=k_keep)
+            mask = lk.learn_mask(model, calib_ids, k_keep, method=leank_method)
+        res = exporters.export_onnx(model, tok, out, leank=mask, leank_sink=leank_sink,
+                                    leank_window=leank_window, **kwargs)
+    elif act_sparsity is not None:
+        from exporters.countdown import export_countdown
+
+        from . import countdown as cd
+
+        spec = cd.calibrate(model, calib_ids, cd.check_act_sparsity(act_sparsity), mode=countdown_mode)
+        res = export_countdown(model, tok, out, spec, **kwargs)
+    else:
+        res = exporters.export_onnx(model, tok, out, **kwargs)
     _console().print(res.summary())
     _write_json(json_path, dict(folder=str(res.folder), files=res.files, parity=res.parity, timings=res.timings))
+
+
+@cli.command("leank")
+@click.argument("model")
+@click.option("--k-keep", type=float, required=True, help="Fraction of key channels kept, in (0, 1].")
+@click.option("--method", type=click.Choice(["learned", "magnitude"]), default="learned", show_default=True)
+@click.option("--calib", default=None, help="Calibration text (default: embedded text).")
+@click.option("--nsamples", type=int, default=16, show_default=True)
+@click.option("--seqlen", type=int, default=512, show_default=True)
+@click.option("--out", "out_path", required=True, help="Mask JSON to write.")
+def leank_cmd(model, k_keep, method, calib, nsamples, seqlen, out_path):
+    """Learn a LeanK key-channel mask for MODEL (LeanK, EMNLP 2025) and save it as JSON."""
+    from . import leank as lk
+    from .calibration import build_calibration
+    from .models import load_model
+
+    lk.check_leank_args(k_keep=k_keep)
+    m, tok = load_model(model)
+    ids = build_calibration(tok, calib, nsamples=nsamples, seqlen=seqlen).input_ids
+    mask = lk.learn_mask(m, ids, k_keep, method=method)
+    path = mask.save(out_path)
+    _console().print(f"LeanK {method} mask, k_keep={k_keep}: {path}")
 
 
 @cli.command("generate")

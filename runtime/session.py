@@ -559,9 +559,12 @@ def load(folder, device: str = "cpu", threads: Optional[int] = None,
     See :class:`Session` for the arguments and raised errors.
     """
     cls = Session
-    try:   # LeanK exports (pruned key caches) run through runtime.leank.LeanKSession
-        if json.loads((Path(folder) / "edgeprune.json").read_text()).get("leank"):
+    try:   # LeanK / COUNTDOWN exports run through their session subclasses
+        meta = json.loads((Path(folder) / "edgeprune.json").read_text())
+        if meta.get("leank"):
             from .leank import LeanKSession as cls
+        elif meta.get("countdown"):
+            from .countdown import CountdownSession as cls
     except (OSError, ValueError, AttributeError):
         pass   # Session reports missing/corrupt metadata with a clear error
     return cls(folder, device=device, threads=threads, max_length=max_length,
