@@ -43,8 +43,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..quantize import check_quant_args, qparams, rtn_quantize
-from .base import InputStats, LayerResult, LayerTask, Method, relative_error
+from ..quantize import check_quant_args, rtn_quantize
+from .base import LayerResult, LayerTask, Method, relative_error, single_thread
 
 _NO_CLIP = ("q_proj", "k_proj")
 
@@ -80,14 +80,30 @@ def awq_scales(x_mean: torch.Tensor, w_mean: Optional[torch.Tensor], ratio: floa
 
 def _fake_quant_groups(W: torch.Tensor, bits: int, gs: int, sym: bool,
                        clip: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """Vectorized RTN fake-quantization of ``W [out, in]`` in groups of ``gs`` columns."""
+    """Vectorized RTN fake-quantization of ``W [out, in]`` in groups of ``gs`` columns.
+
+    The same grid as :func:`edgeprune.quantize.qparams` (min/max, integer zero point),
+    written with fewer passes over the weights for the AWQ searches.
+    """
     out, inp = W.shape
     G = inp // gs
     Wg = W.reshape(out * G, gs)
     c = clip.reshape(out * G, 1) if isinstance(clip, torch.Tensor) else clip
-    s, z = qparams(Wg, bits, sym, c)
     maxq = 2 ** bits - 1
-    q = (torch.clamp(torch.round(Wg / s) + z, 0, maxq) - z) * s
+    if sym:
+        xmax = Wg.abs().amax(dim=1, keepdim=True) * c
+        s = 2 * xmax / maxq
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        z = float(2 ** (bits - 1))
+        q = torch.round(Wg / s).add_(z).clamp_(0, maxq).sub_(z).mul_(s)
+    else:
+        xmin, xmax = torch.aminmax(Wg, dim=1, keepdim=True)
+        xmin = xmin.clamp(max=0) * c
+        xmax = xmax.clamp(min=0) * c
+        s = (xmax - xmin) / maxq
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        z = torch.round(-xmin / s).clamp_(0, maxq)
+        q = torch.round(Wg / s).add_(z).clamp_(0, maxq).sub_(z).mul_(s)
     return q.reshape(out, inp)
 
 
@@ -134,9 +150,8 @@ def search_scale(W: torch.Tensor, H: torch.Tensor, x_mean: torch.Tensor, *, bits
     xm_t, wm_t = tied(xm), tied(wm)
 
     def loss_of(s):
-        q = _fake_quant_groups(W * s[None, :], bits, gs, sym) / s[None, :]
-        d = W - q
-        return float(((d @ H) * d).sum())
+        d = W - _fake_quant_groups(W * s[None, :], bits, gs, sym).div_(s[None, :])
+        return float(torch.einsum("ij,ij->", d @ H, d))
 
     ones = torch.ones(inp, device=W.device)
     best_s, best_loss, best_ratio = ones, loss_of(ones), None
@@ -194,6 +209,12 @@ class AWQ(Method):
     needs_hessian = True
 
     def compress_block(self, block: nn.Module, tasks: list[LayerTask]) -> dict[str, LayerResult]:
+        """Search, fold, clip and quantize the block's targets (see the module docstring)."""
+        dev = tasks[0].weight.device if tasks else "cpu"
+        with single_thread(dev):  # the searches are many medium element-wise ops
+            return self._compress_block(block, tasks)
+
+    def _compress_block(self, block: nn.Module, tasks: list[LayerTask]) -> dict[str, LayerResult]:
         c = self.config
         by_suffix = {}
         for t in tasks:

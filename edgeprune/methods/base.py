@@ -341,6 +341,30 @@ def fix_dead_channels(H: torch.Tensor) -> torch.Tensor:
     return H
 
 
+class single_thread:
+    """Context manager: torch intra-op threads = 1 on CPU (restored on exit).
+
+    Used around loops of many small or medium element-wise ops (the OBS column sweep,
+    the AWQ grid searches): thread fork/join per op costs more than it saves there, by
+    3-8x when the machine's cores are shared with other jobs.
+    """
+
+    def __init__(self, device="cpu"):
+        self.active = torch.device(device).type == "cpu"
+        self.prev = None
+
+    def __enter__(self):
+        if self.active:
+            self.prev = torch.get_num_threads()
+            torch.set_num_threads(1)
+        return self
+
+    def __exit__(self, *exc):
+        if self.active and self.prev is not None:
+            torch.set_num_threads(self.prev)
+        return False
+
+
 class OBSSweep:
     """The column-by-column Optimal Brain Surgeon sweep shared by GPTQ and SparseGPT.
 
@@ -374,14 +398,8 @@ class OBSSweep:
         which intra-op thread synchronization costs more than it saves (measured 8x
         slower with 2 threads on a loaded 2-core machine).
         """
-        if self.Wt.device.type != "cpu":
+        with single_thread(self.Wt.device):
             return self._run(step)
-        prev = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return self._run(step)
-        finally:
-            torch.set_num_threads(prev)
 
     def _run(self, step) -> torch.Tensor:
         Wt, U = self.Wt, self.U
