@@ -143,6 +143,12 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
         raise ExportError(f"lm_head='{lm_head}' is unknown", "use fp, q8 or int4")
     if compact_24 and not sparse_24:
         sparse_24 = True
+    if lm_head == "q8" and accuracy_level < 4 and graph == "fused":
+        import warnings
+        warnings.warn("an 8-bit lm_head with accuracy_level < 4 decodes very slowly in "
+                      "onnxruntime 1.32 (no fp32-compute 8-bit MatMulNBits kernel, measured "
+                      "~1.5 tok/s on SmolLM2): use accuracy_level=4 or lm_head='fp'",
+                      stacklevel=2)
     check_out_dir(out_dir, _source_dirs(model, provenance), overwrite)
     spec = DecoderSpec.from_model(model)
     if max_length is None:
