@@ -104,17 +104,23 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--int4", default=None, help="cases also run int4, e.g. m-0.5,d-0.7 "
                                                  "('all', 'none')")
+    ap.add_argument("--allocation", default="uniform",
+                    help="per-layer sparsity allocation: uniform (paper) | greedy | both "
+                         "(greedy cases are suffixed -greedy; speed only for uniform)")
+    ap.add_argument("--spec-cache", default=None, help="folder to save/reuse calibrated specs")
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args(argv)
     quick = a.quick
-    nwin = a.nwindows or (4 if quick else 40)
-    nsamples = a.nsamples or (8 if quick else 16)
-    sps = [float(x) for x in (a.sparsities or ("0.5,0.7" if quick else "0.5,0.7,0.9")).split(",")]
+    nwin = a.nwindows or (2 if quick else 40)
+    nsamples = a.nsamples or (4 if quick else 16)
+    sps = [float(x) for x in (a.sparsities or ("0.7" if quick else "0.5,0.7,0.9")).split(",")]
     modes = a.modes.split(",")
     threads = [int(t) for t in a.threads.split(",")]
     repeat = a.repeat or (2 if quick else 3)
+    if quick and a.threads == "1,2":
+        threads = [1]
     int4_cases = a.int4 if a.int4 is not None else ("d-0.7" if quick else "m-0.5,d-0.7")
     torch.set_num_threads(max(threads))
 
@@ -132,12 +138,28 @@ def main(argv=None):
                             seqlen=a.seqlen, seed=0)
     log(f"calibration {cal.info.get('source')} {nsamples}x{a.seqlen}")
     specs = {}
+    allocs = ["uniform", "greedy"] if a.allocation == "both" else [a.allocation]
+    from edgeprune.countdown import CountdownSpec
+    cache = Path(a.spec_cache) if a.spec_cache else None
+    key = f"n{nsamples}-s{a.seqlen}-r{a.rank}"
     for mode in modes:
-        t0 = time.time()
-        got = calibrate_many(model, cal.input_ids, [0.0] + sps, mode, rank=a.rank)
-        for s, sp in zip([0.0] + sps, got):
-            specs[f"{mode}-{s:g}"] = sp
-        log(f"calibrated {mode} in {time.time() - t0:.0f}s")
+        for alloc in allocs:
+            sfx = "" if alloc == "uniform" else "-greedy"
+            want = ([0.0] if alloc == "uniform" else []) + sps
+            if cache is not None and all((cache / key / f"{mode}-{s:g}{sfx}" / "countdown.json").exists()
+                                         for s in want):
+                for s in want:
+                    specs[f"{mode}-{s:g}{sfx}"] = CountdownSpec.load(cache / key / f"{mode}-{s:g}{sfx}")
+                log(f"loaded {mode} ({alloc}) specs from {cache / key}")
+                continue
+            t0 = time.time()
+            got = calibrate_many(model, cal.input_ids, ([0.0] if alloc == "uniform" else []) + sps,
+                                 mode, rank=a.rank, allocation=alloc)
+            for s, sp in zip(want, got):
+                specs[f"{mode}-{s:g}{sfx}"] = sp
+                if cache is not None:
+                    sp.save(cache / key / f"{mode}-{s:g}{sfx}")
+            log(f"calibrated {mode} ({alloc}) in {time.time() - t0:.0f}s")
     for name, sp in specs.items():
         st = sp.stats
         if sp.act_sparsity == 0:
@@ -228,7 +250,7 @@ def main(argv=None):
         return dense_dir
 
     if not a.skip_speed:
-        names = [n for n in specs]
+        names = [n for n in specs if not n.endswith("-greedy")]
         speed_cases("fp32", names, "")
         # If vs always-sparse: prefill and decode of d-0.7
         if "d-0.7" in specs:
@@ -280,7 +302,7 @@ def main(argv=None):
                                  overwrite=True)
                 fm, sm = _onnx_logits(d, max(threads))
                 t0 = time.time()
-                nq = max(2, nwin // 4) if not quick else 2
+                nq = max(2, nwin // 8) if not quick else 2
                 r = fidelity(fd, fm, tok, WIKI, seqlen=512, nwindows=nq, progress=False)
                 case = f"{n}-int4"
                 rec(records, case, "ppl", r.ppl)
