@@ -286,6 +286,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fresh", action="store_true", help="ignore cached masks and evaluations")
+    ap.add_argument("--cached-only", action="store_true",
+                    help="report finished (cached) evaluations only; run nothing new")
     ap.add_argument("--ppl-keeps", default=None, help="keeps to score (default: all)")
     ap.add_argument("--retrieval-keeps", default="1.0,0.3")
     args = ap.parse_args(argv)
@@ -350,8 +352,21 @@ def main(argv=None):
     if args.order:
         jobs = [tuple(j.split(":")) for j in args.order.split(",")]
     results: dict = {}
+    if args.cached_only:     # report what finished; compute nothing new
+        fresh = EvalCache(CACHE / "evals.json")
+        cache.data = fresh.data
     for kind, name in jobs:
         keep, method, mask = by_name[name]
+        if args.cached_only:
+            sw = (0, 0) if kind == "stress" else (args.sink, args.window)
+            nw = args.stress_nwindows if kind in ("stress", "ppl_first") else args.nwindows
+            key = (f"retr|{mask_hash(mask)}|{args.trials}|s{sw[0]}w{sw[1]}|chat0"
+                   if kind == "retrieval" else
+                   f"ppl|{mask_hash(mask)}|{512 if kind == 'ppl512' else 2048}x"
+                   f"{40 if kind == 'ppl512' else nw}|s{sw[0]}w{sw[1]}")
+            if key not in cache.data:
+                _log(f"skip {kind} {name}: not computed (--cached-only)")
+                continue
         if kind == "ppl":
             v, c = eval_ppl(model, tok, mask, cache, 2048, args.nwindows, args.sink, args.window)
             results[(name, "ppl")] = (v["ppl"], c)
