@@ -2,7 +2,8 @@
 
 Measured (this session, shared and heavily loaded 2-core machine): dense 28.74 (pinned by
 ``tests/integration/test_cli.py``); ``best-w4`` 4.473 bits/weight, ppl 32.14 (+11.8 %),
-GPTQ compress 843 s under load average ~12.
+GPTQ compress 843 s under load average ~12; RTN asym g64 4.3125 bits/weight, ppl 38.14
+(+32.7 %).
 
 The must-show: the preset ``edgeprune/recipes/best-w4.yaml`` stays within 4.5 bits per
 weight on average over the decoder blocks' linear layers (scales and zero points included,
