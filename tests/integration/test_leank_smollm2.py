@@ -58,8 +58,5 @@ def test_export_matches_reference_with_pruning_active(smollm2, leank_exports):
     assert np.abs(got - dense)[0, 100:].max() > 1e-2        # pruning is really active
 
 
-def test_decode_at_2048_faster_than_unpruned(leank_exports):
-    import runtime
-    fast = runtime.load(leank_exports["k03"].folder, threads=2).decode_speed(2048, steps=8)
-    slow = runtime.load(leank_exports["k10"].folder, threads=2).decode_speed(2048, steps=8)
-    assert fast["tok_s"] > slow["tok_s"]
+# Decode speed at context 2,048 (pruned vs unpruned) is a benchmark, not a test:
+# bench/leank.py --phases runtime measures it side by side and prints the ratio.
