@@ -14,14 +14,13 @@ pytestmark = pytest.mark.integration
 def leank_exports(smollm2, tmp_path_factory):
     import exporters
     from edgeprune.calibration import build_calibration
-    from edgeprune.leank import LeanKMask, kv_geometry, learn_mask
+    from edgeprune.leank import learn_mask
     model, tok = smollm2
     calib = build_calibration(tok, nsamples=1, seqlen=128).input_ids
     mask = learn_mask(model, calib, 0.3, method="magnitude", alignment=8)
-    L, N, KV, D = kv_geometry(model)
     root = tmp_path_factory.mktemp("leank")
     out = {"mask": mask}
-    for name, m in (("k03", mask), ("k10", LeanKMask.full(L, KV, D))):
+    for name, m in (("k03", mask),):
         out[name] = exporters.export_onnx(model, tok, root / name, graph="fused", leank=m,
                                           leank_sink=16, leank_window=64, max_length=2112,
                                           parity_tokens=32)
