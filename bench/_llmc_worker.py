@@ -86,6 +86,10 @@ def main() -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(torch.get_num_threads())
+        if not torch.cuda.is_available():
+            # llm-compressor 0.14's AWQ pins its activation cache (Tensor.pin_memory), which
+            # raises on a CPU-only torch; pinning is a transfer optimisation, a no-op here.
+            torch.Tensor.pin_memory = lambda self, *a, **k: self
         res["version"] = llmcompressor.__version__
         ids = np.load(a.calib)
         ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": np.ones_like(ids).tolist()})

@@ -186,8 +186,12 @@ def ensure_llamacpp(log: Path) -> tuple[str | None, str | None]:
 
 
 def ensure_ours(folder: Path, log) -> str | None:
-    """Export SmolLM2 to int4 once (cached); returns an error string or None."""
-    if (folder / "model.onnx").is_file():
+    """Export SmolLM2 to int4 once (cached; re-exported when any ``exporters/*.py`` is newer
+    than the cached folder, so a stale export never gets measured); returns an error
+    string or None."""
+    meta = folder / "edgeprune.json"
+    newest = max(p.stat().st_mtime for p in (ROOT / "exporters").glob("*.py"))
+    if (folder / "model.onnx").is_file() and meta.is_file() and meta.stat().st_mtime > newest:
         return None
     code = ("import sys; sys.path.insert(0, %r)\n"
             "from edgeprune.models import load_model\nimport exporters\n"

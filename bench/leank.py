@@ -95,14 +95,21 @@ def get_masks(model, tok, keeps, methods, args):
     from edgeprune.calibration import build_calibration
     from edgeprune.leank import LeanKMask, learn_mask, learn_scales
     CACHE.mkdir(parents=True, exist_ok=True)
-    calib = build_calibration(tok, nsamples=args.nsamples, seqlen=args.calib_seqlen, seed=0)
+    src = None
+    tag = ""
+    if args.calib == "c4":
+        src, tag = SHARED / "data" / "c4" / "c4_validation_2k.parquet", "_c4"
+    calib = build_calibration(tok, src, nsamples=args.nsamples, seqlen=args.calib_seqlen, seed=0)
     out = {}
-    stage1 = CACHE / f"stage1_n{args.nsamples}_s{args.calib_seqlen}_st{args.steps}.npz"
+    stage1 = CACHE / f"stage1_n{args.nsamples}_s{args.calib_seqlen}_st{args.steps}{tag}.npz"
     for method in methods:
         for keep in keeps:
             if keep >= 1.0:
                 continue
-            path = CACHE / f"mask_{method}_{keep:g}_n{args.nsamples}_st{args.steps}.json"
+            path = CACHE / (f"mask_{method}_{keep:g}_n{args.nsamples}_st{args.steps}{tag}.json"
+                            if (args.nsamples, args.calib_seqlen) == (2, 256) else
+                            f"mask_{method}_{keep:g}_n{args.nsamples}_s{args.calib_seqlen}"
+                            f"_st{args.steps}{tag}.json")
             if args.quick and not path.exists() and not args.fresh:
                 # --quick: any cached mask of this method and budget (its meta says how)
                 found = sorted(CACHE.glob(f"mask_{method}_{keep:g}_*.json"))
@@ -124,7 +131,7 @@ def get_masks(model, tok, keeps, methods, args):
                     kw["scales"] = imp
                     _log(f"stage 1: {info}")
             m = learn_mask(model, calib.input_ids, keep, method=method, alignment=args.alignment,
-                           **kw)
+                           finetune_steps=args.finetune_steps, **kw)
             m.meta["calibration"] = calib.info
             m.save(path)
             out[(method, keep)] = (m, False)
@@ -132,16 +139,44 @@ def get_masks(model, tok, keeps, methods, args):
     return out
 
 
-def eval_ppl(model, tok, mask, cache: EvalCache, seqlen, nwindows, sink, window):
+def _onnx_ppl(model, tok, mask, seqlen, nwindows, sink, window, threads):
+    """Perplexity through the exported LeanK graph (fp32, onnxruntime): the same rule as
+    the torch reference (``tests/unit/test_leank.py`` proves the graph equal to it), ~10x
+    faster on CPU at 2,048-token windows."""
+    import tempfile
+
+    import exporters
+    import runtime
+    from edgeprune.evaluate import perplexity
+    from edgeprune.leank import LeanKMask, kv_geometry
+    L, N, KV, D = kv_geometry(model)
+    with tempfile.TemporaryDirectory(prefix="leank-ppl-") as td:
+        m = mask if mask is not None else LeanKMask.full(L, KV, D)
+        exporters.export_onnx(model, tok, Path(td) / "m", precision="fp32", graph="fused",
+                              leank=m, leank_sink=sink, leank_window=window,
+                              max_length=seqlen, validate=False)
+        sess = runtime.load(Path(td) / "m", threads=threads, max_length=seqlen)
+        try:
+            fn = lambda ids: torch.from_numpy(sess.logits(ids.numpy()))  # noqa: E731
+            return perplexity(fn, tok, WIKI, seqlen=seqlen, nwindows=nwindows, progress=False).ppl
+        finally:
+            sess.close()
+
+
+def eval_ppl(model, tok, mask, cache: EvalCache, seqlen, nwindows, sink, window,
+             backend: str = "torch", threads: int = 2):
     from edgeprune.leank import long_perplexity
     key = f"ppl|{mask_hash(mask)}|{seqlen}x{nwindows}|s{sink}w{window}"
     hit = cache.get(key)
     if hit is not None:
         return hit, True
     t0 = time.time()
-    r = long_perplexity(model, tok, mask, WIKI, seqlen=seqlen, nwindows=nwindows, sink=sink,
-                        window=window)
-    val = {"ppl": r.ppl, "seconds": round(time.time() - t0, 1)}
+    if backend == "onnx":
+        ppl = _onnx_ppl(model, tok, mask, seqlen, nwindows, sink, window, threads)
+    else:
+        ppl = long_perplexity(model, tok, mask, WIKI, seqlen=seqlen, nwindows=nwindows,
+                              sink=sink, window=window).ppl
+    val = {"ppl": ppl, "seconds": round(time.time() - t0, 1), "backend": backend}
     cache.put(key, val)
     return val, False
 
@@ -284,12 +319,18 @@ def main(argv=None):
     ap.add_argument("--nsamples", type=int, default=2)
     ap.add_argument("--calib-seqlen", type=int, default=256)
     ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--finetune-steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fresh", action="store_true", help="ignore cached masks and evaluations")
     ap.add_argument("--cached-only", action="store_true",
                     help="report finished (cached) evaluations only; run nothing new")
     ap.add_argument("--ppl-keeps", default=None, help="keeps to score (default: all)")
     ap.add_argument("--retrieval-keeps", default="1.0,0.3")
+    ap.add_argument("--ppl-backend", choices=("torch", "onnx"), default="onnx",
+                    help="perplexity through the exported graph (default, fast) or the torch "
+                         "reference")
+    ap.add_argument("--calib", default="default",
+                    help="calibration text for the masks: 'default' (embedded) or 'c4'")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     keeps = [float(k) for k in args.keeps.split(",")]
@@ -368,17 +409,20 @@ def main(argv=None):
                 _log(f"skip {kind} {name}: not computed (--cached-only)")
                 continue
         if kind == "ppl":
-            v, c = eval_ppl(model, tok, mask, cache, 2048, args.nwindows, args.sink, args.window)
+            v, c = eval_ppl(model, tok, mask, cache, 2048, args.nwindows, args.sink, args.window,
+                             args.ppl_backend, args.threads)
             results[(name, "ppl")] = (v["ppl"], c)
         elif kind == "ppl_first":
             v, c = eval_ppl(model, tok, mask, cache, 2048, args.stress_nwindows, args.sink,
-                            args.window)
+                            args.window, args.ppl_backend, args.threads)
             results[(name, "ppl_first")] = (v["ppl"], c)
         elif kind == "ppl512":
-            v, c = eval_ppl(model, tok, mask, cache, 512, 40, args.sink, args.window)
+            v, c = eval_ppl(model, tok, mask, cache, 512, 40, args.sink, args.window,
+                            args.ppl_backend, args.threads)
             results[(name, "ppl512")] = (v["ppl"], c)
         elif kind == "stress":
-            v, c = eval_ppl(model, tok, mask, cache, 2048, args.stress_nwindows, 0, 0)
+            v, c = eval_ppl(model, tok, mask, cache, 2048, args.stress_nwindows, 0, 0,
+                            args.ppl_backend, args.threads)
             results[(name, "stress")] = (v["ppl"], c)
         else:
             r, c = eval_retrieval(model, tok, mask, cache, args.trials, args.sink, args.window)

@@ -60,16 +60,7 @@ class CountdownSession(Session):
                 raise RuntimeLoadError("this COUNTDOWN export has no on/off switch "
                                        f"(graph_mode={cd.get('graph_mode')!r})",
                                        "re-export with graph_mode='if'")
-            so = ort.SessionOptions()
-            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            if threads is not None:
-                so.intra_op_num_threads = int(threads)
-                so.inter_op_num_threads = 1
-            so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-            acc = (self.meta.get("quantization") or {}).get("accuracy_level")
-            if acc is not None:
-                so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level",
-                                            str(int(acc)))
+            so = self._session_options()
             self._off = ort.OrtValue.ortvalue_from_numpy(np.array(False))
             so.add_initializer(name, self._off)
             providers = self.sess.get_providers()

@@ -174,15 +174,12 @@ class LeanKSession(Session):
                 "tokens": [list(p) for p in prompts]}
 
     def _decode_step(self, st, feed: np.ndarray) -> np.ndarray:
-        lens = st["lens"]
-        if int(lens.max()) + 1 > self.max_length:
-            if self.context_policy != "sliding_window":
-                raise GenerationError(f"the context is full (max_length={self.max_length})",
-                                      "use context_policy='sliding_window' or a larger max_length")
-            return self._overflow(st, feed)
+        over = self._check_context(st, feed)
+        if over is not None:
+            return over
         for b, f in enumerate(feed):
             st["tokens"][b].append(int(f))
-        lens += 1
+        st["lens"] += 1
         return self._run(np.asarray(feed, np.int64)[:, None], 1, st["caches"])[:, -1]
 
     def decode_speed(self, context: int = 2048, steps: int = 16, warmup: int = 2,

@@ -133,17 +133,8 @@ class Session:
         # the tokenizer first: its transient parse memory is freed before onnxruntime's
         # load peak (lower peak RSS)
         self.tokenizer = Tokenizer.from_folder(self.folder)
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if threads is not None:
-            so.intra_op_num_threads = int(threads)
-            so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        # Plain int4 graphs: ORT fuses DequantizeLinear+MatMul into MatMulNBits; keep the
-        # export's accuracy_level (4 = int8 activations) for that fusion too.
-        acc = (self.meta.get("quantization") or {}).get("accuracy_level")
-        if acc is not None:
-            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(int(acc)))
+        self.threads = threads
+        so = self._session_options()
         try:
             self.sess = ort.InferenceSession(str(self.folder / "model.onnx"), so,
                                              providers=_providers(device, sparse))
@@ -155,6 +146,7 @@ class Session:
                                    "the file is corrupt or incomplete; re-run `edgeprune export`"
                                    ) from e
         _release_free_heap()
+        self.dropped_weight_pages = _drop_mapped_weight_pages(self.folder)
         names = {i.name for i in self.sess.get_inputs()}
         self.fused = "seqlens_k" in names
         self.kv = KVSpec.from_session(self.sess)
@@ -176,6 +168,33 @@ class Session:
         self._caches: dict[int, SharedKVCache] = {}
         self._lock = threading.Lock()
         self._closed = False
+
+    def _session_options(self) -> "ort.SessionOptions":
+        """The onnxruntime options every session over this folder uses (subclasses that
+        build a second session, e.g. with an overridden initializer, start from these)."""
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if self.threads is not None:
+            so.intra_op_num_threads = int(self.threads)
+            so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        # Plain int4 graphs: ORT fuses DequantizeLinear+MatMul into MatMulNBits; keep the
+        # export's accuracy_level (4 = int8 activations) for that fusion too.
+        acc = (self.meta.get("quantization") or {}).get("accuracy_level")
+        if acc is not None:
+            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(int(acc)))
+        return so
+
+    def _check_context(self, st, feed) -> Optional[np.ndarray]:
+        """Context-overflow policy before a decode step: raises (``"error"``), or
+        re-prefills and returns the new logits (``"sliding_window"``); ``None`` when the
+        step fits."""
+        if int(st["lens"].max()) + 1 > self.max_length:
+            if self.context_policy != "sliding_window":
+                raise GenerationError(f"the context is full (max_length={self.max_length})",
+                                      "use context_policy='sliding_window' or a larger max_length")
+            return self._overflow(st, feed)
+        return None
 
     # ------------------------------------------------------------------ info
     @property
@@ -499,12 +518,10 @@ class Session:
         return new["logits"]
 
     def _decode_step(self, st, feed: np.ndarray) -> np.ndarray:
+        over = self._check_context(st, feed)
+        if over is not None:
+            return over
         lens = st["lens"]
-        if int(lens.max()) + 1 > self.max_length:
-            if self.context_policy != "sliding_window":
-                raise GenerationError(f"the context is full (max_length={self.max_length})",
-                                      "use context_policy='sliding_window' or a larger max_length")
-            return self._overflow(st, feed)
         for b, f in enumerate(feed):
             st["tokens"][b].append(int(f))
         if not self.fused:
@@ -550,6 +567,51 @@ def _release_free_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _drop_mapped_weight_pages(folder: Path) -> int:
+    """Drop the resident pages of this folder's memory-mapped weight file.
+
+    onnxruntime memory-maps page-aligned external initializers (``model.onnx.data``,
+    private mappings). Building the session reads them all (pre-packing ``MatMulNBits``
+    into its own buffers), which leaves the whole file resident, although afterwards
+    only the initializers that are not pre-packed are read, and sparsely: the embedding
+    table (shared with the quantized ``lm_head``) is read one row per token.
+    ``madvise(MADV_DONTNEED)`` hands those pages back to the page cache; a later read
+    faults the page in again from the file. Only mappings without a single private
+    (written, copy-on-write) page are advised, so no data can be lost. llama.cpp's mmap'd
+    weights keep the same kind of footprint: only the pages in use are resident.
+
+    Returns:
+        Bytes of mappings advised (0 where unsupported: not Linux, no mapping).
+    """
+    try:
+        import ctypes
+        import os as _os
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        root = _os.path.realpath(folder) + _os.sep
+        maps, cur = [], None
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=5)
+                if len(head) >= 5 and "-" in head[0] and ":" in head[3]:
+                    path = head[5].strip() if len(head) > 5 else ""
+                    cur = None
+                    if path.startswith(root) and _os.path.basename(path).startswith("model.onnx"):
+                        a, b = (int(x, 16) for x in head[0].split("-"))
+                        cur = {"range": (a, b), "private": 0}
+                        maps.append(cur)
+                elif cur is not None and line.startswith(("Private_Dirty:", "Anonymous:")):
+                    cur["private"] += int(line.split()[1])
+        done = 0
+        for m in maps:
+            a, b = m["range"]
+            if m["private"] == 0 and libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), 4) == 0:
+                done += b - a                                   # 4 = MADV_DONTNEED
+        return done
+    except (OSError, AttributeError, ValueError):
+        return 0
 
 
 def load(folder, device: str = "cpu", threads: Optional[int] = None,

@@ -55,6 +55,18 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def smollm2_int4(smollm2, tmp_path_factory) -> Path:
+    """SmolLM2-135M exported int4 (RTN g32, q8 head, fused graph), KV cache 1,280 tokens;
+    shared read-only by the runtime/profiler integration tests."""
+    import exporters
+
+    model, tok = smollm2
+    out = tmp_path_factory.mktemp("smol") / "int4"
+    exporters.export_onnx(model, tok, out, precision="int4", max_length=1280, validate=False)
+    return out
+
+
+@pytest.fixture(scope="session")
 def wikitext_path() -> Path:
     p = SHARED / "data" / "wikitext2" / "wiki.test.raw"
     if not p.exists():

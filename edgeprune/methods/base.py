@@ -273,6 +273,57 @@ def layer_keep_mask(score: torch.Tensor, sparsity: float) -> torch.Tensor:
     return keep.reshape(score.shape)
 
 
+def keep_mask_from_score(score: torch.Tensor, sparsity: float = 0.5, prune_n: int = 0,
+                         prune_m: int = 0, mask: torch.Tensor | None = None,
+                         per_row: bool = True) -> torch.Tensor:
+    """Keep-mask from an importance score (higher = keep), shared by the score-only
+    pruners (magnitude, Wanda).
+
+    Args:
+        score: ``[out, in]`` importance.
+        sparsity: fraction removed; ignored when ``prune_n`` is set.
+        prune_n, prune_m: N:M pattern (:func:`nm_keep_mask`).
+        mask: an earlier ``bool [out, in]`` keep-mask; already-pruned weights score lowest
+            so they stay pruned.
+        per_row: compare within output rows (:func:`row_keep_mask`, Wanda) or across the
+            layer (:func:`layer_keep_mask`, magnitude).
+
+    Returns:
+        ``bool [out, in]`` keep-mask.
+    """
+    score = score.float()
+    if mask is not None:
+        score = torch.where(mask.to(torch.bool), score, torch.full_like(score, -1.0))
+    if prune_n:
+        return nm_keep_mask(score, prune_n, prune_m)
+    return row_keep_mask(score, sparsity) if per_row else layer_keep_mask(score, sparsity)
+
+
+def stacked_mask(tasks: "list[LayerTask]") -> torch.Tensor | None:
+    """The earlier keep-masks of layers stacked along rows (``[sum out, in]``), all-True
+    for a layer without one; ``None`` when no layer has a mask."""
+    if all(t.mask is None for t in tasks):
+        return None
+    return torch.cat([t.mask if t.mask is not None else torch.ones_like(t.weight, dtype=torch.bool)
+                      for t in tasks], 0)
+
+
+def usable_hessian(stats: "InputStats") -> bool:
+    """Whether calibration saw any token with a non-zero input (else the Hessian methods
+    fall back to their data-free baseline)."""
+    return stats.n_tokens > 0 and bool((torch.diagonal(stats.h_sum) > 0).any())
+
+
+def damping_note(names: str, attempts: int, failed: bool, fallback: str) -> str | None:
+    """Report line for :func:`damped_cholesky_inverse`'s retries: ``None`` when the first
+    damping sufficed; with ``failed`` every try failed and ``fallback`` ran instead."""
+    if failed:
+        return f"{names}: Hessian singular -> damp x10 ({attempts} tries) -> {fallback}"
+    if attempts > 1:
+        return f"{names}: Hessian not positive definite -> damp x{10 ** (attempts - 1)}"
+    return None
+
+
 def relative_error(w_ref: torch.Tensor, w_new: torch.Tensor, H: torch.Tensor) -> float:
     """``||W X - W' X||^2 / ||W X||^2`` computed as ``tr(dW H dW^T) / tr(W H W^T)``.
 
@@ -450,4 +501,4 @@ class OBSSweep:
 
 __all__ = ["OBSSweep", "InputStats", "LayerTask", "LayerResult", "Method", "nm_keep_mask", "row_keep_mask",
            "layer_keep_mask", "relative_error", "damped_cholesky_inverse", "fix_dead_channels",
-           "pattern_name"]
+           "pattern_name", "keep_mask_from_score", "stacked_mask", "usable_hessian", "damping_note"]

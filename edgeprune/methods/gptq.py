@@ -42,6 +42,7 @@ import torch
 
 from ..quantize import QuantizedWeight, check_quant_args, qparams, rtn_quantize
 from .base import (LayerResult, LayerTask, Method, OBSSweep, damped_cholesky_inverse,
+                   damping_note, stacked_mask, usable_hessian,
                    fix_dead_channels)
 
 
@@ -181,24 +182,19 @@ class GPTQ(Method):
         stats = tasks[0].stats
         names = ", ".join(t.name for t in tasks)
         W = torch.cat([t.weight for t in tasks], 0)
-        masks = [t.mask for t in tasks]
-        mask = None
-        if any(m is not None for m in masks):
-            mask = torch.cat([m if m is not None else torch.ones_like(t.weight, dtype=torch.bool)
-                              for m, t in zip(masks, tasks)], 0)
+        mask = stacked_mask(tasks)
         notes = []
         qw = None
-        if stats.n_tokens == 0 or not bool((torch.diagonal(stats.h_sum) > 0).any()):
+        if not usable_hessian(stats):
             notes.append(f"{names}: no usable calibration activations -> RTN")
         else:
             qw, info = gptq_quantize(W, stats.hessian, bits=c.bits, group_size=c.group_size, sym=c.sym,
                                      act_order=c.act_order, static_groups=c.static_groups,
                                      damp_percent=c.damp_percent, blocksize=c.blocksize, mask=mask,
                                      name=tasks[0].name)
-            if qw is None:
-                notes.append(f"{names}: Hessian singular -> damp x10 ({info['attempts']} tries) -> RTN")
-            elif info["attempts"] > 1:
-                notes.append(f"{names}: Hessian not positive definite -> damp x{10 ** (info['attempts'] - 1)}")
+            note = damping_note(names, info["attempts"], qw is None, "RTN")
+            if note:
+                notes.append(note)
             if qw is not None and not bool(torch.isfinite(qw.scales).all()):
                 notes.append(f"{names}: non-finite GPTQ result -> RTN")
                 qw = None

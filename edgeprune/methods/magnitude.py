@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import LayerResult, LayerTask, Method, layer_keep_mask, nm_keep_mask, pattern_name
+from .base import LayerResult, LayerTask, Method, keep_mask_from_score, pattern_name
 
 
 def magnitude_prune(w: torch.Tensor, sparsity: float = 0.5, prune_n: int = 0, prune_m: int = 0,
@@ -25,12 +25,7 @@ def magnitude_prune(w: torch.Tensor, sparsity: float = 0.5, prune_n: int = 0, pr
     Returns:
         ``bool [out, in]`` keep-mask.
     """
-    score = w.abs().float()
-    if mask is not None:
-        score = torch.where(mask, score, torch.full_like(score, -1.0))
-    if prune_n:
-        return nm_keep_mask(score, prune_n, prune_m)
-    return layer_keep_mask(score, sparsity)
+    return keep_mask_from_score(w.abs(), sparsity, prune_n, prune_m, mask, per_row=False)
 
 
 class Magnitude(Method):

@@ -31,6 +31,7 @@ import torch
 
 from ..quantize import QuantizedWeight, check_quant_args, qparams, rtn_quantize
 from .base import (LayerResult, LayerTask, Method, OBSSweep, damped_cholesky_inverse,
+                   damping_note, stacked_mask, usable_hessian,
                    fix_dead_channels, pattern_name)
 from .gptq import split_rows
 from .magnitude import magnitude_prune
@@ -154,14 +155,11 @@ class SparseGPT(Method):
         names = ", ".join(t.name for t in tasks)
         sizes = [t.weight.shape[0] for t in tasks]
         W = torch.cat([t.weight for t in tasks], 0)
-        mask = None
-        if any(t.mask is not None for t in tasks):
-            mask = torch.cat([t.mask if t.mask is not None else torch.ones_like(t.weight, dtype=torch.bool)
-                              for t in tasks], 0)
+        mask = stacked_mask(tasks)
         pat = pattern_name(c)
         res = None
         notes = []
-        if stats.n_tokens == 0 or not bool((torch.diagonal(stats.h_sum) > 0).any()):
+        if not usable_hessian(stats):
             notes.append(f"{names}: no usable calibration activations -> magnitude"
                          + (" + RTN" if c.bits else ""))
         else:
@@ -169,11 +167,10 @@ class SparseGPT(Method):
                                   prune_m=c.prune_m, blocksize=c.blocksize, percdamp=c.percdamp,
                                   bits=c.bits, group_size=c.group_size, sym=c.sym, mask=mask,
                                   row_splits=sizes, name=tasks[0].name)
-            if res is None:
-                notes.append(f"{names}: Hessian singular -> damp x10 (4 tries) -> magnitude"
-                             + (" + RTN" if c.bits else ""))
-            elif res[3]["attempts"] > 1:
-                notes.append(f"{names}: Hessian not positive definite -> damp x{10 ** (res[3]['attempts'] - 1)}")
+            note = damping_note(names, 4 if res is None else res[3]["attempts"], res is None,
+                                "magnitude" + (" + RTN" if c.bits else ""))
+            if note:
+                notes.append(note)
         out = []
         if res is None:
             for t in tasks:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import LayerResult, LayerTask, Method, nm_keep_mask, pattern_name, row_keep_mask
+from .base import LayerResult, LayerTask, Method, keep_mask_from_score, pattern_name
 
 
 def wanda_prune(w: torch.Tensor, act_norm: torch.Tensor, sparsity: float = 0.5,
@@ -36,11 +36,7 @@ def wanda_prune(w: torch.Tensor, act_norm: torch.Tensor, sparsity: float = 0.5,
         ``bool [out, in]`` keep-mask.
     """
     score = w.abs().float() * act_norm.float().reshape(1, -1)
-    if mask is not None:
-        score = torch.where(mask, score, torch.full_like(score, -1.0))
-    if prune_n:
-        return nm_keep_mask(score, prune_n, prune_m)
-    return row_keep_mask(score, sparsity)
+    return keep_mask_from_score(score, sparsity, prune_n, prune_m, mask, per_row=True)
 
 
 class Wanda(Method):

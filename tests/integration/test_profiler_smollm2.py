@@ -12,13 +12,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def smol_int4(smollm2, tmp_path_factory):
-    import exporters
-
-    model, tok = smollm2
-    out = tmp_path_factory.mktemp("smol") / "int4"
-    exporters.export_onnx(model, tok, out, precision="int4", max_length=1024, validate=False)
-    return out
+def smol_int4(smollm2_int4):
+    return smollm2_int4
 
 
 def test_profile_smollm2_int4(smol_int4, tmp_path):

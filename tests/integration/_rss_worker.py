@@ -1,0 +1,66 @@
+"""Subprocess for the runtime memory tests: one generation in a fresh process, RSS out.
+
+Usage: ``python _rss_worker.py FOLDER MODE N`` with MODE
+
+* ``peak``: greedy generation of ``N`` new tokens (EOS ignored) after a 128-token
+  prompt; prints JSON ``{"vm_hwm", "kv_bytes"}`` (peak resident set of this process
+  from ``/proc/self/status`` ``VmHWM``, bytes; KV bytes held at the final length).
+* ``long``: ``N`` new tokens in one run with the sliding-window context policy, RSS
+  sampled every 20 ms by a thread; prints JSON ``{"samples": [[t_s, rss_bytes], ...],
+  "seconds", "tokens"}``.
+
+Fresh process per measurement: ``VmHWM`` is per process, so nothing earlier leaks in.
+Imports only the runtime (torch-free), as an app would.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+
+def _hwm() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def main() -> None:
+    folder, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    import psutil
+
+    import runtime
+
+    policy = "sliding_window" if mode == "long" else "error"
+    sess = runtime.load(folder, threads=2, context_policy=policy)
+    sess.eos_token_ids = []                      # generate exactly n tokens
+    prompt = list(range(1000, 1128))             # 128 tokens
+    if mode == "peak":
+        r = sess.generate(prompt, max_new_tokens=n)
+        assert len(r.token_ids[0]) == n, len(r.token_ids[0])
+        kv = sess.kv_cache_bytes(len(prompt) + n)
+        print(json.dumps({"vm_hwm": _hwm(), "kv_bytes": kv["k"] + kv["v"]}))
+        return
+    proc = psutil.Process()
+    samples, stop = [], threading.Event()
+    t0 = time.perf_counter()
+
+    def sample():
+        while not stop.is_set():
+            samples.append([time.perf_counter() - t0, proc.memory_info().rss])
+            time.sleep(0.02)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    r = sess.generate(prompt, max_new_tokens=n)
+    stop.set()
+    th.join()
+    print(json.dumps({"samples": samples, "seconds": time.perf_counter() - t0,
+                      "tokens": len(r.token_ids[0])}))
+
+
+if __name__ == "__main__":
+    main()
