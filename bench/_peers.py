@@ -101,6 +101,46 @@ def write_json_records(path: str | os.PathLike, records: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+
+
+OURS_VARIANTS = {
+    # what `edgeprune run` ships by default: GPTQ int4 g64 asym (64 x 512 windows of the
+    # embedded calibration text), 8-bit lm_head shared with the embedding
+    "default": ("from edgeprune.calibration import build_calibration\n"
+                "from edgeprune.engine import compress\n"
+                "from edgeprune.pipeline import RunConfig, build_recipe\n"
+                "cal = build_calibration(t, None, nsamples=64, seqlen=512, seed=0)\n"
+                "res = compress(m, build_recipe(RunConfig()), cal.input_ids, progress=False)\n"
+                "kw = dict(quantized=res.quantized)\n"),
+    # block-for-block like Q4_0: RTN int4 g32 (asym), 8-bit lm_head
+    "rtn-g32": "kw = dict(group_size=32)\n",
+}
+
+
+def ensure_ours(folder: Path, log, variant: str = "default") -> str | None:
+    """Export SmolLM2 to int4 once (cached; re-exported when any ``exporters/*.py`` is newer
+    than the cached folder, so a stale export never gets measured); returns an error
+    string or None. ``variant``: a key of :data:`OURS_VARIANTS`."""
+    meta = folder / "edgeprune.json"
+    newest = max(p.stat().st_mtime for p in (ROOT / "exporters").glob("*.py"))
+    if (folder / "model.onnx").is_file() and meta.is_file() and meta.stat().st_mtime > newest:
+        return None
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "from edgeprune.models import load_model\nimport exporters\n"
+            "m, t = load_model('smollm2-135m')\n" + OURS_VARIANTS[variant] +
+            "r = exporters.export_onnx(m, t, %r, precision='int4', max_length=2048, overwrite=True,"
+            " provenance={'bench': 'compare_llamacpp', 'variant': %r}, **kw)\n"
+            "print(r.summary())\n") % (str(ROOT), str(folder), variant)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
+    log(p.stdout.strip()[-400:])
+    return None if p.returncode == 0 else f"int4 export ({variant}) failed: {p.stderr.strip()[-800:]}"
+
+
+def ours_folder(variant: str) -> Path:
+    """The cached export folder of an :data:`OURS_VARIANTS` entry."""
+    return ROOT / "bench" / ".cache" / ("smollm2-int4" if variant == "rtn-g32" else f"smollm2-int4-{variant}")
+
+
 if __name__ == "__main__":  # python bench/_peers.py llmcompressor llmcompressor==0.14.0.1
     name, *pkgs = sys.argv[1:]
     print(ensure_venv(name, pkgs, log=ROOT / "bench" / ".cache" / f"venv-{name}.log"))

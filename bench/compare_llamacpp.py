@@ -115,6 +115,52 @@ def worker_llamacpp(gguf: str, threads: int, prompt_len: int, gen_len: int) -> d
             "peak_rss_bytes": _vm_hwm(), "load_s": load_s, "tokens": out[:8]}
 
 
+def _nll_of_windows(logits_fn, windows) -> dict:
+    """Mean next-token NLL over the windows (each window's first token is context only,
+    as in ``edgeprune.evaluate``); ``logits_fn(ids) -> float [S, vocab]``."""
+    import numpy as np
+
+    tot, n = 0.0, 0
+    for w in windows:
+        lg = np.asarray(logits_fn(w), dtype=np.float64)[:-1]
+        lg = lg - lg.max(-1, keepdims=True)
+        lse = np.log(np.exp(lg).sum(-1))
+        tgt = np.asarray(w[1:])
+        tot += float((lse - lg[np.arange(len(tgt)), tgt]).sum())
+        n += len(tgt)
+    return {"nll": tot / n, "ppl": float(np.exp(tot / n)), "tokens": n}
+
+
+def worker_ppl_ours(folder: str, windows_json: str, threads: int) -> dict:
+    """WikiText-2 perplexity of our export through the runtime (teacher-forced windows)."""
+    sys.path.insert(0, str(ROOT))
+    import numpy as np
+
+    import runtime
+
+    windows = json.loads(Path(windows_json).read_text())
+    s = runtime.load(folder, threads=threads, max_length=len(windows[0]) + 8)
+    return _nll_of_windows(lambda w: s.logits(np.array([w], np.int64))[0], windows)
+
+
+def worker_ppl_llamacpp(gguf: str, windows_json: str, threads: int) -> dict:
+    """The same perplexity through llama.cpp (``logits_all``), same token ids."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    windows = json.loads(Path(windows_json).read_text())
+    S = len(windows[0])
+    llm = Llama(model_path=gguf, n_ctx=S + 8, n_batch=S, n_ubatch=S, n_threads=threads,
+                n_threads_batch=threads, logits_all=True, verbose=False)
+    nv = llm.n_vocab()
+
+    def fn(w):
+        llm.reset()
+        llm.eval(w)
+        return np.array(llm.scores[:len(w), :nv])
+    return _nll_of_windows(fn, windows)
+
+
 def worker_quantize(src: str, dst: str, ftype: str) -> dict:
     """Re-quantize a GGUF with llama.cpp's own quantizer (Q4_1 -> F32 -> Q4_0)."""
     import ctypes
@@ -185,24 +231,6 @@ def ensure_llamacpp(log: Path) -> tuple[str | None, str | None]:
         return None, f"building .venv-llamacpp failed: {e}"
 
 
-def ensure_ours(folder: Path, log) -> str | None:
-    """Export SmolLM2 to int4 once (cached; re-exported when any ``exporters/*.py`` is newer
-    than the cached folder, so a stale export never gets measured); returns an error
-    string or None."""
-    meta = folder / "edgeprune.json"
-    newest = max(p.stat().st_mtime for p in (ROOT / "exporters").glob("*.py"))
-    if (folder / "model.onnx").is_file() and meta.is_file() and meta.stat().st_mtime > newest:
-        return None
-    code = ("import sys; sys.path.insert(0, %r)\n"
-            "from edgeprune.models import load_model\nimport exporters\n"
-            "m, t = load_model('smollm2-135m')\n"
-            "r = exporters.export_onnx(m, t, %r, precision='int4', max_length=2048, overwrite=True)\n"
-            "print(r.summary())\n") % (str(ROOT), str(folder))
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
-    log(p.stdout.strip()[-400:])
-    return None if p.returncode == 0 else f"int4 export failed: {p.stderr.strip()[-800:]}"
-
-
 def _median(runs, key):
     vals = [r[key] for r in runs if key in r]
     return statistics.median(vals) if vals else None
@@ -217,13 +245,19 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--quants", nargs="+", default=["q4_0", "q4_1"], help="llama.cpp quantizations")
-    ap.add_argument("--ours", default=str(ROOT / "bench" / ".cache" / "smollm2-int4"), help="our export folder")
+    ap.add_argument("--ours", default=None, help="our export folder (default: one cached export per variant)")
+    ap.add_argument("--variants", default="default,rtn-g32",
+                    help="our int4 exports to run: default (GPTQ g64, what `edgeprune run` ships), "
+                         "rtn-g32 (block for block like Q4_0)")
+    ap.add_argument("--ppl-windows", type=int, default=None,
+                    help="WikiText-2 windows of 512 for the side-by-side perplexity (40; quick 4; 0 = skip)")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
 
     if a.worker:
         mode, *rest = a.worker
-        fn = {"ours": worker_ours, "llamacpp": worker_llamacpp, "quantize": worker_quantize}[mode]
+        fn = {"ours": worker_ours, "llamacpp": worker_llamacpp, "quantize": worker_quantize,
+              "ppl_ours": worker_ppl_ours, "ppl_llamacpp": worker_ppl_llamacpp}[mode]
         conv = [rest[0]] + [int(x) if x.isdigit() else x for x in rest[1:]]
         print(json.dumps(fn(*conv)))
         return 0
@@ -239,13 +273,16 @@ def main(argv=None) -> int:
 
     sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
     import devices
+    from _peers import ensure_ours, ours_folder
     from runtime.profiler import model_work
 
     t_start = time.perf_counter()
     records: list[dict] = []
-    # --- our export
-    ours_dir = Path(a.ours)
-    ours_err = ensure_ours(ours_dir, log)
+    # --- our exports (one per variant)
+    variants = [v for v in a.variants.split(",") if v]
+    ours_dirs = {v: Path(a.ours) if a.ours and len(variants) == 1 else ours_folder(v)
+                 for v in variants}
+    ours_errs = {v: ensure_ours(d, log, v) for v, d in ours_dirs.items()}
     # --- llama.cpp venv and GGUFs
     py, peer_err = ensure_llamacpp(CACHE / "venv-build.log")
     ggufs: dict[str, Path | None] = {}
@@ -266,10 +303,34 @@ def main(argv=None) -> int:
             ggufs[q] = None
     # --- bandwidth and bytes per token
     bw = {t: devices.measure_bandwidth(t) for t in a.threads}
-    ours_bpt = model_work(ours_dir)["weight_bytes_per_token"] if not ours_err else None
+    ours_bpt = {v: model_work(d)["weight_bytes_per_token"] for v, d in ours_dirs.items() if not ours_errs[v]}
     peer_bpt = {q: _gguf_bytes_per_token(p) for q, p in ggufs.items() if p is not None}
-    log(f"bandwidth (GB/s): {', '.join(f'{t} thr {v:.1f}' for t, v in bw.items())}; weight bytes/token: ours "
-        f"{(ours_bpt or 0) / 2**20:.1f} MiB, " + ", ".join(f"{q} {b / 2**20:.1f} MiB" for q, b in peer_bpt.items()))
+    log(f"bandwidth (GB/s): {', '.join(f'{t} thr {v:.1f}' for t, v in bw.items())}; weight bytes/token: "
+        + ", ".join(f"ours {v} {b / 2**20:.1f} MiB" for v, b in ours_bpt.items()) + ", "
+        + ", ".join(f"{q} {b / 2**20:.1f} MiB" for q, b in peer_bpt.items()))
+
+    # --- quality side by side: WikiText-2 perplexity, same token ids for both
+    ppl: dict[str, dict] = {}
+    n_ppl = a.ppl_windows if a.ppl_windows is not None else (4 if a.quick else 40)
+    if n_ppl:
+        from tokenizers import Tokenizer
+        wiki = ROOT.parent / "shared" / "data" / "wikitext2" / "wiki.test.raw"
+        first = next((d for v, d in ours_dirs.items() if not ours_errs[v]), None)
+        if wiki.exists() and first is not None:
+            tk = Tokenizer.from_file(str(first / "tokenizer.json"))
+            ids = tk.encode(wiki.read_text(), add_special_tokens=False).ids
+            wins = [ids[i * 512:(i + 1) * 512] for i in range(min(n_ppl, len(ids) // 512))]
+            wfile = CACHE / f"wikitext_windows_{len(wins)}x512.json"
+            wfile.write_text(json.dumps(wins))
+            for v, d in ours_dirs.items():
+                if not ours_errs[v]:
+                    ppl[v] = _spawn(sys.executable, "ppl_ours", [str(d), str(wfile), max(a.threads)], 3600)
+            for q, g in ggufs.items():
+                if py and g is not None:
+                    ppl[q] = _spawn(py, "ppl_llamacpp", [str(g), str(wfile), max(a.threads)], 3600)
+            log("WikiText-2 perplexity (%d x 512, no BOS): " % len(wins) +
+                ", ".join(f"{k} {r.get('ppl', float('nan')):.2f}" if "ppl" in r else f"{k} FAILED {r.get('error', '')[:200]}"
+                          for k, r in ppl.items()))
 
     # --- runs (interleaved so that machine load drifts affect both sides alike)
     results: dict[tuple, list] = {}
@@ -284,8 +345,9 @@ def main(argv=None) -> int:
 
     for rep in range(repeat):
         for t in a.threads:
-            if not ours_err:
-                record(("ours", t), _spawn(sys.executable, "ours", [str(ours_dir), t, a.prompt_len, a.gen_len], 600))
+            for v, d in ours_dirs.items():
+                if not ours_errs[v]:
+                    record((f"ours:{v}", t), _spawn(sys.executable, "ours", [str(d), t, a.prompt_len, a.gen_len], 600))
             for q, g in ggufs.items():
                 if py and g is not None:
                     record((q, t), _spawn(py, "llamacpp", [str(g), t, a.prompt_len, a.gen_len], 600))
@@ -295,7 +357,7 @@ def main(argv=None) -> int:
         runs = results.get((key, t), [])
         if not runs:
             return None
-        bpt = ours_bpt if key == "ours" else peer_bpt.get(key)
+        bpt = ours_bpt.get(key.split(":", 1)[1]) if key.startswith("ours:") else peer_bpt.get(key)
         d = {m: _median(runs, m) for m in ("decode_tok_s", "prefill_tok_s", "ttft_ms", "peak_rss_bytes")}
         d["peak_rss_mb"] = d.pop("peak_rss_bytes") / 2**20
         limit = bw[t] * 1e9 / bpt if bpt else None
@@ -306,36 +368,51 @@ def main(argv=None) -> int:
 
     # --- table and records
     print()
-    hdr = f"{'case':<18}{'impl':<14}{'decode tok/s':>13}{'prefill tok/s':>15}{'peak RSS MiB':>14}{'BW limit':>10}{'of limit':>10}"
+    hdr = (f"{'case':<26}{'impl':<22}{'decode tok/s':>13}{'prefill tok/s':>15}{'peak RSS MiB':>14}"
+           f"{'BW limit':>10}{'of limit':>10}{'ppl':>9}")
     print(hdr)
     print("-" * len(hdr))
+
+    def pp(k):
+        r = ppl.get(k) or {}
+        return r.get("ppl")
+
     for t in a.threads:
-        o = summary("ours", t)
-        for q in a.quants:
-            th = summary(q, t)
-            case = f"int4_vs_{q}/t{t}"
-            for name, d in (("ours int4", o), (f"llama.cpp {q}", th)):
-                if d:
-                    print(f"{case:<18}{name:<14}{d['decode_tok_s']:>13.1f}{d['prefill_tok_s']:>15.1f}{d['peak_rss_mb']:>14.1f}"
-                          f"{d['bandwidth_limit_tok_s']:>10.1f}{100 * d['bandwidth_fraction']:>9.0f}%")
-                else:
-                    err = errors.get(("ours", t) if name.startswith("ours") else (q, t)) or ours_err or peer_err or "not run"
-                    print(f"{case:<18}{name:<14}  FAILED: {err[:120]}")
-            if o and th:
-                print(f"{'':<18}{'ratio ours/llama.cpp':<14}  decode {o['decode_tok_s'] / th['decode_tok_s']:.2f}x, prefill "
-                      f"{o['prefill_tok_s'] / th['prefill_tok_s']:.2f}x, RSS {o['peak_rss_mb'] / th['peak_rss_mb']:.2f}x")
-            for m in ("decode_tok_s", "prefill_tok_s", "peak_rss_mb", "bandwidth_fraction"):
-                rec = {"case": case, "metric": m, "ours": o[m] if o else None, "peer": "llama.cpp",
-                       "theirs": th[m] if th else None}
-                if not th:
-                    rec["error"] = errors.get((q, t)) or peer_err or (None if ggufs.get(q) else f"no {q} GGUF")
-                if not o:
-                    rec["ours_error"] = errors.get(("ours", t)) or ours_err
-                records.append(rec)
+        for v in variants:
+            o = summary(f"ours:{v}", t)
+            pref = "int4" if v == "default" else f"int4-{v}"
+            for q in a.quants:
+                th = summary(q, t)
+                case = f"{pref}_vs_{q}/t{t}"
+                for name, d, k in ((f"ours {v}", o, v), (f"llama.cpp {q}", th, q)):
+                    if d:
+                        pv = pp(k)
+                        print(f"{case:<26}{name:<22}{d['decode_tok_s']:>13.1f}{d['prefill_tok_s']:>15.1f}"
+                              f"{d['peak_rss_mb']:>14.1f}{d['bandwidth_limit_tok_s']:>10.1f}"
+                              f"{100 * d['bandwidth_fraction']:>9.0f}%{pv if pv is None else round(pv, 2):>9}")
+                    else:
+                        err = errors.get((f"ours:{v}", t) if name.startswith("ours") else (q, t)) or \
+                            ours_errs.get(v) or peer_err or "not run"
+                        print(f"{case:<26}{name:<22}  FAILED: {err[:120]}")
+                if o and th:
+                    print(f"{'':<26}{'ratio ours/llama.cpp':<22}  decode {o['decode_tok_s'] / th['decode_tok_s']:.2f}x, "
+                          f"prefill {o['prefill_tok_s'] / th['prefill_tok_s']:.2f}x, "
+                          f"RSS {o['peak_rss_mb'] / th['peak_rss_mb']:.2f}x")
+                for m in ("decode_tok_s", "prefill_tok_s", "peak_rss_mb", "bandwidth_fraction"):
+                    rec = {"case": case, "metric": m, "ours": o[m] if o else None, "peer": "llama.cpp",
+                           "theirs": th[m] if th else None}
+                    if not th:
+                        rec["error"] = errors.get((q, t)) or peer_err or (None if ggufs.get(q) else f"no {q} GGUF")
+                    if not o:
+                        rec["ours_error"] = errors.get((f"ours:{v}", t)) or ours_errs.get(v)
+                    records.append(rec)
+                if t == a.threads[0] and (pp(v) or pp(q)):
+                    records.append({"case": f"{pref}_vs_{q}", "metric": "ppl", "ours": pp(v),
+                                    "peer": "llama.cpp", "theirs": pp(q)})
+            if o:
+                records.append({"case": f"{pref}/t{t}", "metric": "bandwidth_limit_tok_s",
+                                "ours": o["bandwidth_limit_tok_s"], "peer": None, "theirs": None})
         records.append({"case": f"machine/t{t}", "metric": "bandwidth_gbs", "ours": bw[t], "peer": None, "theirs": None})
-        if o:
-            records.append({"case": f"int4/t{t}", "metric": "bandwidth_limit_tok_s", "ours": o["bandwidth_limit_tok_s"],
-                            "peer": None, "theirs": None})
         for q in a.quants:
             th = summary(q, t)
             if th:

@@ -7,7 +7,10 @@ builder (``-p int4 -e cpu``: RTN sym block 32, accuracy level 4, int4 lm_head) r
 its own virtualenv ``.venv-ortgenai``. Each measurement runs in a fresh subprocess:
 batch 1, a 128-token WikiText-2 prompt (the same ids for both), 128 greedy new tokens
 (EOS ignored), 1 and 2 intra-op threads, KV cache sized 256 for both. Cases
-``int4-t1``/``int4-t2`` use our default export (8-bit lm_head); ``int4-lmhead4-t*`` use
+``int4-t1``/``int4-t2`` use what ``edgeprune run`` ships by default (GPTQ int4 g64 asym,
+8-bit lm_head shared with the embedding; ``bench/_peers.py`` ``OURS_VARIANTS``);
+``int4-rtn-g32-t*`` the plain ``export_onnx(precision="int4")`` of the dense weights (RTN
+asym block 32, block for block like the peer) and ``int4-rtn-g32-lmhead4-t*`` the same with
 an int4 lm_head like the peer's builder default (like-for-like bytes per token). Reported: decode
 tokens/s (127 steps after the first token), time to first token, peak RSS (the kernel's
 ``VmHWM`` of the worker, cross-checked by psutil polling from the parent), model file
@@ -159,6 +162,14 @@ def _prepare(work: Path, log, rebuild: bool) -> dict:
         del model
     info["ours"] = ours
     info["ours4"] = ours4
+    # what `edgeprune run` ships: GPTQ int4 g64 asym + 8-bit head (cached, shared with
+    # bench/compare_llamacpp.py)
+    from bench._peers import ensure_ours, ours_folder
+    err = ensure_ours(ours_folder("default"), log, "default")
+    if err:
+        info["errors"]["default"] = err
+    else:
+        info["default"] = ours_folder("default")
     # the peer: own venv + its model builder
     from bench._peers import ensure_venv
     try:
@@ -257,6 +268,10 @@ def main(argv=None) -> int:
     runs: dict = {}
     for t in a.threads:
         for rep in range(repeat):          # interleave ours/theirs to share the noise
+            if "default" in info:
+                rd = _run_worker(Path(sys.executable), "ours", info["default"], t, info["prompt"],
+                                 NEW_TOKENS)
+                runs.setdefault(("default", t), []).append(rd)
             r = _run_worker(Path(sys.executable), "ours", info["ours"], t, info["prompt"],
                             NEW_TOKENS)
             runs.setdefault(("ours", t), []).append(r)
@@ -267,7 +282,9 @@ def main(argv=None) -> int:
                 r2 = _run_worker(info["genai_py"], "genai", _thread_folder(info["theirs"], t), t,
                                  info["prompt"], NEW_TOKENS)
                 runs.setdefault(("theirs", t), []).append(r2)
-            log(f"t={t} rep {rep + 1}/{repeat}: ours {r.get('decode_tok_s', r.get('error'))}"
+            log(f"t={t} rep {rep + 1}/{repeat}: ours "
+                f"{rd.get('decode_tok_s', rd.get('error')) if 'default' in info else '-'} (default), "
+                f"{r.get('decode_tok_s', r.get('error'))} (rtn-g32)"
                 + (f", theirs {r2.get('decode_tok_s', r2.get('error'))}" if "theirs" in info
                    else ""))
 
@@ -277,8 +294,10 @@ def main(argv=None) -> int:
 
     records = []
     print(f"\n{'case':<18}{'metric':<14}{'ours':>10}{PEER:>20}{'ratio':>8}")
-    for t, impl in [(t, i) for i in ("ours", "ours4") for t in a.threads]:
-        case = f"int4-t{t}" if impl == "ours" else f"int4-lmhead4-t{t}"
+    impls = [i for i in ("default", "ours", "ours4") if i in info]
+    names = {"default": "int4", "ours": "int4-rtn-g32", "ours4": "int4-rtn-g32-lmhead4"}
+    for t, impl in [(t, i) for i in impls for t in a.threads]:
+        case = f"{names[impl]}-t{t}"
         errs = [r["error"] for r in runs.get(("theirs", t), []) if "error" in r]
         oerrs = [r["error"] for r in runs.get((impl, t), []) if "error" in r]
         rows = {
