@@ -8,7 +8,15 @@ Sources accepted by :func:`load_documents` / :func:`get_calibration`:
 * a JSONL file (``.jsonl``): one document per line, field ``text``;
 * a Parquet file (``.parquet``): column ``text`` (e.g. C4 validation);
 * a Hugging Face dataset name (``"hf:NAME[:CONFIG][:SPLIT]"``), only when online and the
-  ``datasets`` package is installed.
+  ``datasets`` package is installed;
+* ``"self"``: text sampled from the model itself (:func:`self_generated`; pass ``model=``
+  to :func:`build_calibration`). No data needed, and the windows follow the model's own
+  training distribution instead of one domain's (self-calibration: Williams et al.,
+  "Self-calibration for Language Model Quantization and Pruning", NAACL 2025; data-free
+  generation as in LLM-QAT, Liu et al. 2023). Why it matters: on SmolLM2-135M, GPTQ int4
+  g64 asym calibrated on 64 x 512 windows of the embedded documentation text scores
+  WikiText-2 perplexity 40.64, on C4 36.76 (domain mismatch costs ~10%). Generation costs
+  time (sampling 64 x 512 tokens with the PyTorch model takes minutes on 2 CPU cores).
 
 **The embedded default text** is the Python standard library's bundled documentation
 topics (``pydoc_data.topics``: 79 topics, about 465k characters of English prose and code
@@ -192,8 +200,73 @@ def check_seqlen(seqlen: int, model_max: int | None = None) -> int:
     return seqlen
 
 
+def self_generated(model, tokenizer, *, nsamples: int = 128, seqlen: int = 512, seed: int = 0,
+                   temperature: float = 1.0, batch_size: int = 16,
+                   progress: bool = False) -> CalibrationSet:
+    """Calibration windows sampled from the model itself (``source="self"``).
+
+    Each window starts from the tokenizer's BOS token (else its EOS token, the usual
+    document separator) and continues with ``seqlen - 1`` tokens drawn from the model's
+    own distribution (plain sampling at ``temperature``, no top-k/top-p; end-of-sequence
+    suppressed so every window is full). The draw is seeded (``seed``) inside a forked
+    RNG, so the caller's random state is untouched.
+
+    Args:
+        model: the (dense) causal LM to calibrate; run in ``eval`` mode, no gradients.
+        tokenizer: its tokenizer.
+        nsamples, seqlen: windows and tokens per window.
+        seed: sampling seed.
+        temperature: sampling temperature (> 0).
+        batch_size: sequences generated at once.
+        progress: show a progress bar.
+
+    Returns:
+        :class:`CalibrationSet` with ``input_ids`` ``int64 [nsamples, seqlen]``.
+
+    Raises:
+        ConfigError: bad ``nsamples``/``seqlen``/``temperature``.
+        CalibrationError: the tokenizer has neither a BOS nor an EOS token.
+    """
+    if not isinstance(nsamples, int) or nsamples < 1:
+        raise ConfigError(f"nsamples={nsamples} must be a positive integer", "use e.g. --nsamples 128")
+    check_seqlen(seqlen, getattr(model.config, "max_position_embeddings", None))
+    if not temperature or temperature <= 0:
+        raise ConfigError(f"temperature={temperature} must be > 0", "use e.g. 1.0")
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if start is None:
+        raise CalibrationError("the tokenizer has no BOS or EOS token to start generation from",
+                               "calibrate on a text file instead of 'self'")
+    eos = tokenizer.eos_token_id
+    dev = next(model.parameters()).device
+    out = []
+    from tqdm.auto import tqdm
+    was = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            for b0 in tqdm(range(0, nsamples, batch_size), desc="self-calibration",
+                           disable=not progress, leave=False):
+                n = min(batch_size, nsamples - b0)
+                ids = torch.full((n, 1), int(start), dtype=torch.long, device=dev)
+                gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                     temperature=float(temperature), top_k=0, top_p=1.0,
+                                     max_new_tokens=seqlen - 1, min_new_tokens=seqlen - 1,
+                                     pad_token_id=eos if eos is not None else start,
+                                     suppress_tokens=[eos] if eos is not None else None)
+                out.append(gen[:, :seqlen].cpu())
+    finally:
+        model.train(was)
+    input_ids = torch.cat(out, 0).to(torch.long)
+    info = dict(source=f"self:T={float(temperature):g}", sha256=hashlib.sha256(
+        input_ids.numpy().tobytes()).hexdigest(), seed=seed, nsamples=nsamples, seqlen=seqlen,
+        tokens_read=int(input_ids.numel()), windows_available=nsamples)
+    return CalibrationSet(input_ids, info)
+
+
 def build_calibration(tokenizer, source: str | Path | None = None, *, nsamples: int = 128,
-                      seqlen: int = 512, seed: int = 0, model_max_length: int | None = None) -> CalibrationSet:
+                      seqlen: int = 512, seed: int = 0, model_max_length: int | None = None,
+                      model=None) -> CalibrationSet:
     """Build ``nsamples`` windows of ``seqlen`` tokens, seeded and reproducible.
 
     Args:
@@ -203,6 +276,7 @@ def build_calibration(tokenizer, source: str | Path | None = None, *, nsamples: 
         seqlen: tokens per window (capped at :data:`MAX_SEQLEN`).
         seed: seed of the window draw.
         model_max_length: the model's context length, if smaller than the cap.
+        model: the model, needed (only) for ``source="self"`` (:func:`self_generated`).
 
     Returns:
         :class:`CalibrationSet` with ``input_ids`` ``int64 [nsamples, seqlen]``.
@@ -212,6 +286,11 @@ def build_calibration(tokenizer, source: str | Path | None = None, *, nsamples: 
         CalibrationError: unreadable source, or too little text for the requested windows
             (the message says how many tokens were found and how many are needed).
     """
+    if source is not None and str(source) == "self":
+        if model is None:
+            raise CalibrationError("calibration source 'self' samples text from the model",
+                                   "pass model= to build_calibration (the CLI does this for --calib self)")
+        return self_generated(model, tokenizer, nsamples=nsamples, seqlen=seqlen, seed=seed)
     if not isinstance(nsamples, int) or nsamples < 1:
         raise ConfigError(f"nsamples={nsamples} must be a positive integer", "use e.g. --nsamples 128")
     check_seqlen(seqlen, model_max_length)
@@ -239,6 +318,6 @@ def get_calibration(tokenizer, source: str | Path | None = None, nsamples: int =
     return build_calibration(tokenizer, source, nsamples=nsamples, seqlen=seqlen, seed=seed).input_ids
 
 
-__all__ = ["CalibrationSet", "build_calibration", "get_calibration", "default_documents",
+__all__ = ["CalibrationSet", "build_calibration", "self_generated", "get_calibration", "default_documents",
            "default_text", "load_documents", "read_text_file", "token_stream", "check_seqlen",
            "MAX_SEQLEN"]

@@ -73,7 +73,8 @@ def method_options(f):
         click.option("--sparsity", type=float, default=None, help="Unstructured sparsity in [0, 1)."),
         click.option("--pattern", default=None, help="N:M sparsity, e.g. 2:4 (prune_n:prune_m)."),
         click.option("--calib", default=None,
-                     help="Calibration text: .txt/.jsonl/.parquet file or hf:NAME (default: embedded text)."),
+                     help="Calibration text: .txt/.jsonl/.parquet file, hf:NAME, or 'self' (text sampled "
+                          "from the model) (default: embedded text)."),
         click.option("--nsamples", type=int, default=None, help="Calibration windows."),
         click.option("--seqlen", type=int, default=512, show_default=True, help="Tokens per calibration window."),
         click.option("--seed", type=int, default=0, show_default=True),
@@ -158,7 +159,7 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
     con = _console()
     m, tok, src = load_model(model, return_source=True, device=device)
     cal = build_calibration(tok, calib, nsamples=cfg.nsamples, seqlen=seqlen, seed=seed,
-                            model_max_length=getattr(m.config, "max_position_embeddings", None))
+                            model_max_length=getattr(m.config, "max_position_embeddings", None), model=m)
     res = compress(m, rec, cal.input_ids, device=device)
     res.calibration = cal.info
     if res.quantized and fmt == "dense":
@@ -295,7 +296,7 @@ def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head
     if (k_keep is not None and not leank_mask) or act_sparsity is not None:
         from .calibration import build_calibration
 
-        calib_ids = build_calibration(tok, calib, nsamples=16, seqlen=512).input_ids
+        calib_ids = build_calibration(tok, calib, nsamples=16, seqlen=512, model=model).input_ids
     if k_keep is not None or leank_mask:
         from . import leank as lk
 
@@ -335,7 +336,7 @@ def leank_cmd(model, k_keep, method, calib, nsamples, seqlen, out_path):
 
     lk.check_leank_args(k_keep=k_keep)
     m, tok = load_model(model)
-    ids = build_calibration(tok, calib, nsamples=nsamples, seqlen=seqlen).input_ids
+    ids = build_calibration(tok, calib, nsamples=nsamples, seqlen=seqlen, model=m).input_ids
     mask = lk.learn_mask(m, ids, k_keep, method=method)
     path = mask.save(out_path)
     _console().print(f"LeanK {method} mask, k_keep={k_keep}: {path}")

@@ -269,7 +269,8 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
         t = time.perf_counter()
         log(f"[2/6] calibration: {cfg.nsamples} x {cfg.seqlen} tokens from {cfg.calib or 'the embedded default text'}")
         cal = build_calibration(tok, cfg.calib, nsamples=cfg.nsamples, seqlen=cfg.seqlen, seed=cfg.seed,
-                                model_max_length=getattr(dense.config, "max_position_embeddings", None))
+                                model_max_length=getattr(dense.config, "max_position_embeddings", None),
+                                model=dense)
         model = copy.deepcopy(dense)
         log(f"      compressing with {recipe.to_dict()}")
         result = compress(model, recipe, cal.input_ids, device=cfg.device, progress=True)

@@ -149,3 +149,33 @@ def test_hf_folder_roundtrip(tmp_path, tiny_qwen2):
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, tiny_qwen2(ids).logits, atol=1e-6)
+
+
+class _SelfTok:
+    """Just the special ids self-calibration needs."""
+    bos_token_id, eos_token_id = 1, 2
+
+
+def test_self_generated_calibration(tiny_llama):
+    tok = _SelfTok()
+    a = build_calibration(tok, "self", nsamples=5, seqlen=24, seed=3, model=tiny_llama)
+    b = build_calibration(tok, "self", nsamples=5, seqlen=24, seed=3, model=tiny_llama)
+    c = build_calibration(tok, "self", nsamples=5, seqlen=24, seed=4, model=tiny_llama)
+    assert a.input_ids.shape == (5, 24) and a.input_ids.dtype == torch.long
+    assert torch.equal(a.input_ids, b.input_ids)          # seeded
+    assert not torch.equal(a.input_ids, c.input_ids)
+    assert (a.input_ids[:, 0] == 1).all()                  # starts at BOS
+    assert not (a.input_ids[:, 1:] == 2).any()             # EOS suppressed: full windows
+    assert len(set(a.input_ids[:, 1:].flatten().tolist())) > 20   # sampled, not greedy
+    assert a.info["source"] == "self:T=1" and a.info["nsamples"] == 5
+    # the caller's RNG is untouched
+    torch.manual_seed(0)
+    x = torch.rand(3)
+    torch.manual_seed(0)
+    build_calibration(tok, "self", nsamples=2, seqlen=8, model=tiny_llama)
+    assert torch.equal(torch.rand(3), x)
+
+
+def test_self_calibration_needs_the_model():
+    with pytest.raises(CalibrationError, match="pass model="):
+        build_calibration(_SelfTok(), "self", nsamples=2, seqlen=8)
