@@ -202,6 +202,11 @@ def check_seqlen(seqlen: int, model_max: int | None = None) -> int:
     return seqlen
 
 
+def _check_nsamples(nsamples) -> None:
+    if not isinstance(nsamples, int) or nsamples < 1:
+        raise ConfigError(f"nsamples={nsamples} must be a positive integer", "use e.g. --nsamples 128")
+
+
 def self_generated(model, tokenizer, *, nsamples: int = 128, seqlen: int = 512, seed: int = 0,
                    temperature: float = 1.0, batch_size: int = 16,
                    progress: bool = False) -> CalibrationSet:
@@ -229,8 +234,7 @@ def self_generated(model, tokenizer, *, nsamples: int = 128, seqlen: int = 512, 
         ConfigError: bad ``nsamples``/``seqlen``/``temperature``.
         CalibrationError: the tokenizer has neither a BOS nor an EOS token.
     """
-    if not isinstance(nsamples, int) or nsamples < 1:
-        raise ConfigError(f"nsamples={nsamples} must be a positive integer", "use e.g. --nsamples 128")
+    _check_nsamples(nsamples)
     check_seqlen(seqlen, getattr(model.config, "max_position_embeddings", None))
     if not temperature or temperature <= 0:
         raise ConfigError(f"temperature={temperature} must be > 0", "use e.g. 1.0")
@@ -293,8 +297,7 @@ def build_calibration(tokenizer, source: str | Path | None = None, *, nsamples: 
             raise CalibrationError("calibration source 'self' samples text from the model",
                                    "pass model= to build_calibration (the CLI does this for --calib self)")
         return self_generated(model, tokenizer, nsamples=nsamples, seqlen=seqlen, seed=seed)
-    if not isinstance(nsamples, int) or nsamples < 1:
-        raise ConfigError(f"nsamples={nsamples} must be a positive integer", "use e.g. --nsamples 128")
+    _check_nsamples(nsamples)
     check_seqlen(seqlen, model_max_length)
     docs, desc = load_documents(source, part="calibration")
     need = nsamples * seqlen

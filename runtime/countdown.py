@@ -43,29 +43,35 @@ class CountdownSession(Session):
     def __init__(self, folder, device: str = "cpu", threads: Optional[int] = None,
                  max_length: Optional[int] = None, context_policy: str = "error",
                  countdown: bool = True):
+        self.countdown_enabled = bool(countdown)
         super().__init__(folder, device=device, threads=threads, max_length=max_length,
                          context_policy=context_policy)
+        self.countdown = self._countdown_meta()
+        self.kept_log: list = []
+        self._has_kept = KEPT_OUTPUT in self.output_names
+
+    def _countdown_meta(self) -> dict:
         cd = self.meta.get("countdown")
         if not cd:
             raise RuntimeLoadError(f"{self.folder} is not a COUNTDOWN export",
                                    "export with exporters.countdown.export_countdown, or use "
                                    "runtime.load")
-        self.countdown = cd
-        self.countdown_enabled = bool(countdown)
-        self.kept_log: list = []
-        self._has_kept = KEPT_OUTPUT in self.output_names
-        if not countdown:
+        return cd
+
+    def _session_options(self) -> "ort.SessionOptions":
+        """The base options; with ``countdown=False`` the graph's ``countdown.enabled``
+        initializer is overridden to False, so the one session built decodes densely."""
+        so = super()._session_options()
+        if not self.countdown_enabled:
+            cd = self._countdown_meta()
             name = cd.get("enabled_initializer")
             if not name:
                 raise RuntimeLoadError("this COUNTDOWN export has no on/off switch "
                                        f"(graph_mode={cd.get('graph_mode')!r})",
                                        "re-export with graph_mode='if'")
-            so = self._session_options()
             self._off = ort.OrtValue.ortvalue_from_numpy(np.array(False))
             so.add_initializer(name, self._off)
-            providers = self.sess.get_providers()
-            self.sess = ort.InferenceSession(str(self.folder / "model.onnx"), so,
-                                             providers=providers)
+        return so
 
     # -------------------------------------------------------------- decode hooks
     def _prefill(self, prompts) -> dict:

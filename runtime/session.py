@@ -146,7 +146,7 @@ class Session:
                                    "the file is corrupt or incomplete; re-run `edgeprune export`"
                                    ) from e
         _release_free_heap()
-        self.dropped_weight_pages = _drop_mapped_weight_pages(self.folder)
+        _drop_mapped_weight_pages(self.folder)
         names = {i.name for i in self.sess.get_inputs()}
         self.fused = "seqlens_k" in names
         self.kv = KVSpec.from_session(self.sess)
@@ -587,10 +587,9 @@ def _drop_mapped_weight_pages(folder: Path) -> int:
     """
     try:
         import ctypes
-        import os as _os
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        root = _os.path.realpath(folder) + _os.sep
+        root = os.path.realpath(folder) + os.sep
         maps, cur = [], None
         with open("/proc/self/smaps") as f:
             for line in f:
@@ -598,7 +597,7 @@ def _drop_mapped_weight_pages(folder: Path) -> int:
                 if len(head) >= 5 and "-" in head[0] and ":" in head[3]:
                     path = head[5].strip() if len(head) > 5 else ""
                     cur = None
-                    if path.startswith(root) and _os.path.basename(path).startswith("model.onnx"):
+                    if path.startswith(root) and os.path.basename(path).startswith("model.onnx"):
                         a, b = (int(x, 16) for x in head[0].split("-"))
                         cur = {"range": (a, b), "private": 0}
                         maps.append(cur)
