@@ -263,6 +263,54 @@ def _raise_stop(mod, inp):
     raise _StopForward
 
 
+def _sequential_groups(block, modules: dict[str, nn.Linear], batch, suffixes: tuple) -> list[list[str]]:
+    """Split a block's target linears into "true-sequential" groups, in forward order.
+
+    Linears called back to back on the very same input tensor form one group (q/k/v;
+    gate/up); the groups come in the order the block calls them, e.g. ``[[q, k, v], [o],
+    [gate, up], [down]]`` for llama/qwen2. This is the ``true_sequential`` order of the
+    GPTQ reference code (Frantar et al. 2023, ``llama.py``): each group is calibrated on
+    the inputs produced by the already-compressed groups before it, so that e.g.
+    ``o_proj``'s Hessian comes from the quantized attention output.
+
+    Args:
+        block: one decoder block.
+        modules: full name -> linear, in ``block.named_modules()`` order.
+        batch: one calibration batch ``[hidden, kwargs, tokmask]`` (one forward is run).
+        suffixes: the names relative to the block, parallel to ``modules``.
+
+    Returns:
+        groups of suffixes. Linears never called by the forward go last, in one group.
+    """
+    calls: list[tuple[str, object]] = []
+    by_mod = dict(zip(modules, suffixes))
+    hooks = [m.register_forward_pre_hook(lambda mod, inp, n=n: calls.append((by_mod[n], inp[0])))
+             for n, m in modules.items()]
+    try:
+        with torch.no_grad():
+            block(batch[0], **batch[1])
+    finally:
+        for h in hooks:
+            h.remove()
+    groups: list[list[str]] = []
+    seen: set = set()
+    prev = None
+    for sfx, x in calls:
+        if sfx in seen:
+            continue
+        seen.add(sfx)
+        if prev is not None and prev is x:
+            groups[-1].append(sfx)
+        else:
+            groups.append([sfx])
+        prev = x
+    calls.clear()
+    rest = [s for s in suffixes if s not in seen]
+    if rest:
+        groups.append(rest)
+    return groups
+
+
 def _plan(recipe: Recipe, methods, prefix: str, blocks) -> list[list[tuple[int, list[str]]]]:
     """Per block: ``[(stage index, [target names])]``; checks every rule before any change.
 
@@ -416,6 +464,7 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
         if progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(blocks), desc="compress", unit="block", leave=True)
+        seq_groups: dict[tuple, list] = {}
         for bi, block in enumerate(blocks):
             blk_dev = next(block.parameters()).device
             block.to(device)
@@ -429,36 +478,17 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
                 if bar is not None:
                     short = ",".join(dict.fromkeys(n.rsplit(".", 1)[-1] for n in names))
                     bar.set_description(f"block {bi + 1}/{len(blocks)}: {cfg.method} {short}")
-                if meth.data_free and not measure_errors:
-                    stats = {n: InputStats.empty(modules[n].in_features, False, device) for n in names}
+                if getattr(cfg, "true_sequential", False) and need_data and len(names) > 1:
+                    key = tuple(n.split(".", len(prefix.split(".")) + 1)[-1] for n in names)
+                    if key not in seq_groups:
+                        seq_groups[key] = _sequential_groups(block, {n: modules[n] for n in names},
+                                                             batches[0], key)
+                    groups = [[f"{prefix}.{bi}.{sfx}" for sfx in g] for g in seq_groups[key]]
                 else:
-                    stats = _StatsCollector({n: modules[n] for n in names}, meth.needs_hessian, device,
-                                            error_tokens if measure_errors else 0).run(block, batches)
-                tasks = []
-                for n in names:
-                    w = modules[n].weight.detach().float().clone()
-                    ref.setdefault(n, w)
-                    tasks.append(LayerTask(name=n, module=modules[n], weight=w, mask=result.masks.get(n),
-                                           stats=stats[n], quantize=not _later_quantizes(recipe, si, n)))
-                excluded = {id(t.stats): t for t in tasks if t.stats.n_excluded}
-                for t in excluded.values():
-                    result.fallbacks.append(f"{t.name}: {t.stats.n_excluded} calibration tokens with NaN/inf "
-                                            "activations excluded from the statistics")
-                try:
-                    with torch.no_grad():
-                        res = meth.compress_block(block, tasks)
-                except EdgePruneError:
-                    raise
-                except Exception as e:  # numerical failure inside a method: fall back, keep going
-                    res = _baseline_results(cfg, tasks, f"{cfg.method} failed ({type(e).__name__}: {e})")
-                for t in tasks:
-                    r = res[t.name]
-                    if not bool(torch.isfinite(r.weight).all()):
-                        r = _baseline_results(cfg, [t], f"{cfg.method} produced non-finite weights")[t.name]
-                    _write_back(t, r, result)
-                    if r.reference is not None:
-                        ref[t.name] = r.reference.float()
-                    final_stats[t.name] = r.stats if r.stats is not None else t.stats
+                    groups = [names]
+                for group in groups:
+                    final_stats.update(_compress_group(block, modules, group, cfg, meth, recipe, si, batches,
+                                                       result, ref, measure_errors, error_tokens, device))
             if measure_errors:
                 for n, st in final_stats.items():
                     He = st.error_hessian
@@ -478,6 +508,46 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
         model.train(was_training)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _compress_group(block, modules, names, cfg, meth, recipe, si, batches, result, ref,
+                    measure_errors, error_tokens, device) -> dict:
+    """Gather statistics for ``names`` in one pass of ``block``, compress them, write back.
+
+    Returns ``{name: InputStats}`` of the statistics each layer's error is measured on.
+    """
+    final_stats = {}
+    if meth.data_free and not measure_errors:
+        stats = {n: InputStats.empty(modules[n].in_features, False, device) for n in names}
+    else:
+        stats = _StatsCollector({n: modules[n] for n in names}, meth.needs_hessian, device,
+                                error_tokens if measure_errors else 0).run(block, batches)
+    tasks = []
+    for n in names:
+        w = modules[n].weight.detach().float().clone()
+        ref.setdefault(n, w)
+        tasks.append(LayerTask(name=n, module=modules[n], weight=w, mask=result.masks.get(n),
+                               stats=stats[n], quantize=not _later_quantizes(recipe, si, n)))
+    excluded = {id(t.stats): t for t in tasks if t.stats.n_excluded}
+    for t in excluded.values():
+        result.fallbacks.append(f"{t.name}: {t.stats.n_excluded} calibration tokens with NaN/inf "
+                                "activations excluded from the statistics")
+    try:
+        with torch.no_grad():
+            res = meth.compress_block(block, tasks)
+    except EdgePruneError:
+        raise
+    except Exception as e:  # numerical failure inside a method: fall back, keep going
+        res = _baseline_results(cfg, tasks, f"{cfg.method} failed ({type(e).__name__}: {e})")
+    for t in tasks:
+        r = res[t.name]
+        if not bool(torch.isfinite(r.weight).all()):
+            r = _baseline_results(cfg, [t], f"{cfg.method} produced non-finite weights")[t.name]
+        _write_back(t, r, result)
+        if r.reference is not None:
+            ref[t.name] = r.reference.float()
+        final_stats[t.name] = r.stats if r.stats is not None else t.stats
+    return final_stats
 
 
 def _move_own(mod: nn.Module, device) -> None:

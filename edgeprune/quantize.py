@@ -87,13 +87,12 @@ def qparams(w: torch.Tensor, bits: int, sym: bool, clip: float | torch.Tensor = 
     maxq = 2 ** bits - 1
     w = w.float()
     if sym:
-        xmax = w.abs().amax(dim=1, keepdim=True) * clip
-        scale = 2 * xmax / maxq
+        scale = w.abs().amax(dim=1, keepdim=True).mul_(clip).mul_(2).div_(maxq)
         zero = torch.full_like(scale, float(2 ** (bits - 1)))
     else:
-        xmin = w.amin(dim=1, keepdim=True).clamp(max=0) * clip
-        xmax = w.amax(dim=1, keepdim=True).clamp(min=0) * clip
-        scale = (xmax - xmin) / maxq
+        xmin, xmax = torch.aminmax(w, dim=1, keepdim=True)  # one pass over the weights
+        xmin = xmin.clamp_(max=0).mul_(clip)
+        scale = xmax.clamp_(min=0).mul_(clip).sub_(xmin).div_(maxq)
         zero = torch.round(-xmin / torch.where(scale > 0, scale, torch.ones_like(scale)))
     bad = ~(scale > 0) | ~torch.isfinite(scale)
     scale = torch.where(bad, torch.ones_like(scale), scale)
@@ -103,12 +102,12 @@ def qparams(w: torch.Tensor, bits: int, sym: bool, clip: float | torch.Tensor = 
 
 def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
     """Integer codes ``clamp(round(w/scale) + zero, 0, 2**bits-1)`` (float tensor of integers)."""
-    return torch.clamp(torch.round(w / scale) + zero, 0, 2 ** bits - 1)
+    return torch.round(w / scale).add_(zero).clamp_(0, 2 ** bits - 1)
 
 
 def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
     """Round ``w`` to the grid and back: ``(codes - zero) * scale`` (same shape as ``w``)."""
-    return (quantize_codes(w, scale, zero, bits) - zero) * scale
+    return quantize_codes(w, scale, zero, bits).sub_(zero).mul_(scale)
 
 
 @dataclass

@@ -146,7 +146,14 @@ class WandaConfig(_Base):
 
 @dataclass
 class SparseGPTConfig(_Base):
-    """SparseGPT (Frantar & Alistarh 2023): OBS pruning with optional joint quantization."""
+    """SparseGPT (Frantar & Alistarh 2023): OBS pruning with optional joint quantization.
+
+    ``true_sequential`` (default on): within a block the linears are pruned in forward
+    order, group by group (``[q,k,v]``, ``[o]``, ``[gate,up]``, ``[down]``), each group's
+    Hessian gathered from the outputs of the already-pruned groups before it (as GPTQ's
+    reference code does); off: every linear of the block from one pass of dense inputs
+    (the SparseGPT reference code and llm-compressor).
+    """
 
     sparsity: float = 0.5
     prune_n: int = 0
@@ -156,6 +163,7 @@ class SparseGPTConfig(_Base):
     bits: Optional[int] = None
     group_size: int = 64
     sym: bool = False
+    true_sequential: bool = True
     method = "sparsegpt"
     kind = "prune"
 
@@ -193,7 +201,14 @@ class RTNConfig(_Base):
 
 @dataclass
 class GPTQConfig(_Base):
-    """GPTQ (Frantar et al. 2023): second-order weight quantization with error feedback."""
+    """GPTQ (Frantar et al. 2023): second-order weight quantization with error feedback.
+
+    ``true_sequential`` (default on, the reference code's ``--true-sequential``): within a
+    block the linears are quantized in forward order, group by group (``[q,k,v]``, ``[o]``,
+    ``[gate,up]``, ``[down]``), each group's Hessian gathered from the outputs of the
+    already-quantized groups before it; off: every linear of the block from one pass over
+    the block's inputs (llm-compressor's behaviour).
+    """
 
     bits: int = 4
     group_size: int = 64
@@ -202,6 +217,7 @@ class GPTQConfig(_Base):
     static_groups: bool = False
     damp_percent: float = 0.01
     blocksize: int = 128
+    true_sequential: bool = True
     method = "gptq"
     kind = "quant"
 

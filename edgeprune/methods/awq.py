@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..quantize import check_quant_args, rtn_quantize
+from ..quantize import check_quant_args, fake_quantize, qparams, rtn_quantize
 from .base import LayerResult, LayerTask, Method, relative_error, single_thread
 
 _NO_CLIP = ("q_proj", "k_proj")
@@ -80,31 +80,12 @@ def awq_scales(x_mean: torch.Tensor, w_mean: Optional[torch.Tensor], ratio: floa
 
 def _fake_quant_groups(W: torch.Tensor, bits: int, gs: int, sym: bool,
                        clip: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """Vectorized RTN fake-quantization of ``W [out, in]`` in groups of ``gs`` columns.
-
-    The same grid as :func:`edgeprune.quantize.qparams` (min/max, integer zero point),
-    written with fewer passes over the weights for the AWQ searches.
-    """
+    """RTN fake-quantization of ``W [out, in]`` in groups of ``gs`` columns (the AWQ
+    searches' inner loop): :func:`edgeprune.quantize.qparams` grid, one group per row."""
     out, inp = W.shape
-    G = inp // gs
-    Wg = W.reshape(out * G, gs)
-    c = clip.reshape(out * G, 1) if isinstance(clip, torch.Tensor) else clip
-    maxq = 2 ** bits - 1
-    if sym:
-        xmax = Wg.abs().amax(dim=1, keepdim=True) * c
-        s = 2 * xmax / maxq
-        s = torch.where(s > 0, s, torch.ones_like(s))
-        z = float(2 ** (bits - 1))
-        q = torch.round(Wg / s).add_(z).clamp_(0, maxq).sub_(z).mul_(s)
-    else:
-        xmin, xmax = torch.aminmax(Wg, dim=1, keepdim=True)
-        xmin = xmin.clamp(max=0) * c
-        xmax = xmax.clamp(min=0) * c
-        s = (xmax - xmin) / maxq
-        s = torch.where(s > 0, s, torch.ones_like(s))
-        z = torch.round(-xmin / s).clamp_(0, maxq)
-        q = torch.round(Wg / s).add_(z).clamp_(0, maxq).sub_(z).mul_(s)
-    return q.reshape(out, inp)
+    Wg = W.reshape(out * (inp // gs), gs)
+    c = clip.reshape(-1, 1) if isinstance(clip, torch.Tensor) else clip
+    return fake_quantize(Wg, *qparams(Wg, bits, sym, c), bits).reshape(out, inp)
 
 
 def _w_mean(W: torch.Tensor, gs: int) -> torch.Tensor:

@@ -242,3 +242,54 @@ def test_data_free_recipe_runs_no_forward(tiny_llama, monkeypatch):
     assert len(res2.layer_errors) == 14
     for (n, a), (_, b) in zip(_linears(tiny_llama).items(), _linears(ref).items()):
         assert torch.equal(a.weight, b.weight), n
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+def test_true_sequential_groups_and_hessians(request, fixture, monkeypatch):
+    """``true_sequential``: q/k/v, o, gate/up, down are quantized in that order, and each
+    group's Hessian comes from the already-quantized groups before it (block 0's o_proj
+    Hessian equals X^T X of o_proj's inputs in the *compressed* block); with it off, every
+    Hessian comes from the dense block."""
+    from edgeprune.engine import _sequential_groups
+    from edgeprune.methods.gptq import GPTQ
+
+    model = request.getfixturevalue(fixture)
+    ids = _ids(n=4, s=24)
+    prefix, blocks = find_decoder_blocks(model)
+    batches = _capture_block_inputs(model, blocks, ids, None, 2, CPU)
+    mods = {f"{prefix}.0.{n}": m for n, m in blocks[0].named_modules() if isinstance(m, torch.nn.Linear)}
+    sfx = tuple(n.split(".", 3)[-1] for n in mods)
+    assert _sequential_groups(blocks[0], mods, batches[0], sfx) == [
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+        ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+
+    def o_proj_hessians(true_sequential):
+        m = copy.deepcopy(model)
+        seen, order = {}, []
+        orig = GPTQ.compress_group
+
+        def spy(self, tasks):
+            order.append(tuple(t.name.rsplit(".", 1)[-1] for t in tasks))
+            for t in tasks:
+                seen.setdefault(t.name, t.stats.hessian.clone())
+            return orig(self, tasks)
+        monkeypatch.setattr(GPTQ, "compress_group", spy)
+        compress(m, GPTQConfig(bits=4, group_size=16, true_sequential=true_sequential), ids,
+                 progress=False, batch_size=2)
+        monkeypatch.setattr(GPTQ, "compress_group", orig)
+        name = f"{prefix}.0.self_attn.o_proj"
+        xs = []
+        h = m.get_submodule(name).register_forward_pre_hook(lambda mod, inp: xs.append(inp[0].reshape(-1, inp[0].shape[-1])))
+        with torch.no_grad():
+            _, blks = find_decoder_blocks(m)
+            for b in _capture_block_inputs(m, blks, ids, None, 2, CPU):
+                blks[0](b[0], **b[1])
+        h.remove()
+        X = torch.cat(xs).float()
+        return seen[name], X.t() @ X / X.shape[0], order[:4]
+
+    H_seq, H_quant, order = o_proj_hessians(True)
+    assert order == [("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)]
+    torch.testing.assert_close(H_seq, H_quant, rtol=1e-4, atol=1e-6)
+    H_par, H_quant2, _ = o_proj_hessians(False)
+    assert not torch.allclose(H_par, H_quant2, rtol=1e-3, atol=1e-5)
