@@ -19,6 +19,12 @@ static activation ordering (llm-compressor's default ``actorder="static"`` = our
 or 2:4 on every decoder linear, ``lm_head`` excluded (llm-compressor's pruning modifiers
 need the regex ``re:.*lm_head`` for that, otherwise they prune the tied head/embedding).
 
+One difference is ours by design: GPTQ and SparseGPT run ``true_sequential`` (default),
+compressing q/k/v, o, gate/up, down of a block in turn, each from the outputs of the
+groups already compressed (the GPTQ reference code's ``--true-sequential``);
+llm-compressor calibrates every linear of a block from one pass. The ``*_onepass`` cases
+turn it off, so both settings are reported against the same peer figure.
+
 Usage::
 
     .venv/bin/python bench/compare_methods.py --json bench/results/compare_methods.json
@@ -71,7 +77,12 @@ def cases(group_size: int = 64):
          "gptq"),
         (f"awq_w4g{g}", lambda: AWQConfig(bits=4, group_size=g, sym=True, n_grid=20, duo_scaling=True),
          "awq"),
+        (f"gptq_w4g{g}_onepass", lambda: GPTQConfig(bits=4, group_size=g, sym=True, act_order=True,
+                                                     static_groups=True, damp_percent=0.01, blocksize=128,
+                                                     true_sequential=False), "gptq"),
         ("sparsegpt_50", lambda: SparseGPTConfig(sparsity=0.5, percdamp=0.01, blocksize=128), "sparsegpt"),
+        ("sparsegpt_50_onepass", lambda: SparseGPTConfig(sparsity=0.5, percdamp=0.01, blocksize=128,
+                                                         true_sequential=False), "sparsegpt"),
         ("sparsegpt_2:4", lambda: SparseGPTConfig(prune_n=2, prune_m=4, percdamp=0.01, blocksize=128),
          "sparsegpt24"),
         ("wanda_50", lambda: WandaConfig(sparsity=0.5), "wanda"),
