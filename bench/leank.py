@@ -91,28 +91,33 @@ def mask_hash(mask) -> str:
 
 
 def get_masks(model, tok, keeps, methods, args):
-    """Learn (or load cached) masks; returns ``{(method, keep): (mask, cached)}``."""
+    """Learn (or load cached) masks; returns ``{(method, keep): (mask, cached)}``.
+
+    Cache names carry the whole recipe (calibration windows, stage-1 steps, training
+    queries, L1, loss weighting, stage-2 steps and scale bound), so a cached mask is only
+    reused for the same recipe."""
     from edgeprune.calibration import build_calibration
     from edgeprune.leank import LeanKMask, learn_mask, learn_scales
     CACHE.mkdir(parents=True, exist_ok=True)
     src = None
-    tag = ""
     if args.calib == "c4":
-        src, tag = SHARED / "data" / "c4" / "c4_validation_2k.parquet", "_c4"
+        src = SHARED / "data" / "c4" / "c4_validation_2k.parquet"
     calib = build_calibration(tok, src, nsamples=args.nsamples, seqlen=args.calib_seqlen, seed=0)
+    name = (f"n{args.nsamples}_s{args.calib_seqlen}_st{args.steps}_q{args.train_queries}"
+            f"_l1{args.l1:g}_{args.calib}")
+    stage1 = CACHE / f"stage1v2_{name}.npz"
     out = {}
-    stage1 = CACHE / f"stage1_n{args.nsamples}_s{args.calib_seqlen}_st{args.steps}{tag}.npz"
     for method in methods:
         for keep in keeps:
             if keep >= 1.0:
                 continue
-            path = CACHE / (f"mask_{method}_{keep:g}_n{args.nsamples}_st{args.steps}{tag}.json"
-                            if (args.nsamples, args.calib_seqlen) == (2, 256) else
-                            f"mask_{method}_{keep:g}_n{args.nsamples}_s{args.calib_seqlen}"
-                            f"_st{args.steps}{tag}.json")
+            path = CACHE / (f"maskv2_learned_{keep:g}_{name}_ft{args.finetune_steps}"
+                            f"_ms{args.max_scale:g}.json" if method == "learned" else
+                            f"maskv2_magnitude_{keep:g}_n{args.nsamples}_s{args.calib_seqlen}"
+                            f"_{args.calib}.json")
             if args.quick and not path.exists() and not args.fresh:
                 # --quick: any cached mask of this method and budget (its meta says how)
-                found = sorted(CACHE.glob(f"mask_{method}_{keep:g}_*.json"))
+                found = sorted(CACHE.glob(f"mask*_{method}_{keep:g}_*.json"))
                 path = found[0] if found else path
             if path.exists() and not args.fresh:
                 out[(method, keep)] = (LeanKMask.load(path), True)
@@ -125,13 +130,14 @@ def get_masks(model, tok, keeps, methods, args):
                     z = np.load(stage1, allow_pickle=False)
                     kw["scales"] = z["importance"]
                 else:
-                    imp, info = learn_scales(model, calib.input_ids, steps=args.steps,
-                                             progress=True)
+                    imp, info = learn_scales(model, calib.input_ids, steps=args.steps, l1=args.l1,
+                                             train_queries=args.train_queries, progress=True)
                     np.savez(stage1, importance=imp, info=json.dumps(info))
                     kw["scales"] = imp
                     _log(f"stage 1: {info}")
             m = learn_mask(model, calib.input_ids, keep, method=method, alignment=args.alignment,
-                           finetune_steps=args.finetune_steps, **kw)
+                           finetune_steps=args.finetune_steps, train_queries=args.train_queries,
+                           max_scale=args.max_scale, l1=args.l1, **kw)
             m.meta["calibration"] = calib.info
             m.save(path)
             out[(method, keep)] = (m, False)
@@ -316,10 +322,13 @@ def main(argv=None):
     ap.add_argument("--sink", type=int, default=DEFAULT_SINK)
     ap.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     ap.add_argument("--alignment", type=int, default=DEFAULT_ALIGNMENT)
-    ap.add_argument("--nsamples", type=int, default=2)
-    ap.add_argument("--calib-seqlen", type=int, default=256)
+    ap.add_argument("--nsamples", type=int, default=4)
+    ap.add_argument("--calib-seqlen", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--finetune-steps", type=int, default=10)
+    ap.add_argument("--train-queries", type=int, default=384)
+    ap.add_argument("--l1", type=float, default=0.05)
+    ap.add_argument("--max-scale", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fresh", action="store_true", help="ignore cached masks and evaluations")
     ap.add_argument("--cached-only", action="store_true",
@@ -329,8 +338,9 @@ def main(argv=None):
     ap.add_argument("--ppl-backend", choices=("torch", "onnx"), default="onnx",
                     help="perplexity through the exported graph (default, fast) or the torch "
                          "reference")
-    ap.add_argument("--calib", default="default",
-                    help="calibration text for the masks: 'default' (embedded) or 'c4'")
+    ap.add_argument("--calib", default="c4",
+                    help="calibration text for the masks: 'c4' (C4 validation, shared data) "
+                         "or 'default' (the embedded text)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     keeps = [float(k) for k in args.keeps.split(",")]
@@ -342,7 +352,7 @@ def main(argv=None):
         args.retrieval_keeps = "1.0,0.3"
         if args.phases == ap.get_default("phases"):
             phases = {"masks", "ppl", "retrieval", "runtime"}
-        if not any(CACHE.glob("stage1_*.npz")):
+        if not any(CACHE.glob("stage1v2_*.npz")):
             args.steps, args.nsamples = 8, 1     # no cached stage 1: a short one (labelled)
     ppl_keeps = [float(k) for k in (args.ppl_keeps or ",".join(map(str, keeps))).split(",")]
     retr_keeps = [float(k) for k in args.retrieval_keeps.split(",")]

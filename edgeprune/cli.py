@@ -293,7 +293,7 @@ def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head
         raise ConfigError("--k-keep and --act-sparsity cannot be combined in one export yet",
                           "export LeanK and COUNTDOWN variants separately")
     calib_ids = None
-    if (k_keep is not None and not leank_mask) or act_sparsity is not None:
+    if act_sparsity is not None:
         from .calibration import build_calibration
 
         calib_ids = build_calibration(tok, calib, nsamples=16, seqlen=512, model=model).input_ids
@@ -303,8 +303,14 @@ def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head
         if leank_mask:
             mask = lk.LeanKMask.load(leank_mask)
         else:
-            lk.check_leank_args(k_keep=k_keep)
-            mask = lk.learn_mask(model, calib_ids, k_keep, method=leank_method)
+            from .calibration import build_calibration
+
+            lk.check_leank_args(k_keep=k_keep, sink=leank_sink, window=leank_window)
+            # long windows: training sees pruned keys as far away as the deployed cache does
+            calib_ids = build_calibration(tok, calib, nsamples=lk.DEFAULT_CALIB_NSAMPLES,
+                                          seqlen=lk.DEFAULT_CALIB_SEQLEN, model=model).input_ids
+            mask = lk.learn_mask(model, calib_ids, k_keep, method=leank_method,
+                                 train_sink=leank_sink, train_window=leank_window)
         res = exporters.export_onnx(model, tok, out, leank=mask, leank_sink=leank_sink,
                                     leank_window=leank_window, **kwargs)
     elif act_sparsity is not None:
@@ -325,19 +331,24 @@ def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head
 @click.option("--k-keep", type=float, required=True, help="Fraction of key channels kept, in (0, 1].")
 @click.option("--method", type=click.Choice(["learned", "magnitude"]), default="learned", show_default=True)
 @click.option("--calib", default=None, help="Calibration text (default: embedded text).")
-@click.option("--nsamples", type=int, default=16, show_default=True)
-@click.option("--seqlen", type=int, default=512, show_default=True)
+@click.option("--nsamples", type=int, default=4, show_default=True)
+@click.option("--seqlen", type=int, default=2048, show_default=True,
+              help="Calibration window; longer than sink + window so training meets far keys.")
+@click.option("--sink", type=int, default=None,
+              help="Training regime: the sink you will export with (default 64).")
+@click.option("--window", type=int, default=None,
+              help="Training regime: the window you will export with (default 448).")
 @click.option("--out", "out_path", required=True, help="Mask JSON to write.")
-def leank_cmd(model, k_keep, method, calib, nsamples, seqlen, out_path):
+def leank_cmd(model, k_keep, method, calib, nsamples, seqlen, sink, window, out_path):
     """Learn a LeanK key-channel mask for MODEL (LeanK, EMNLP 2025) and save it as JSON."""
     from . import leank as lk
     from .calibration import build_calibration
     from .models import load_model
 
-    lk.check_leank_args(k_keep=k_keep)
+    lk.check_leank_args(k_keep=k_keep, sink=sink, window=window)
     m, tok = load_model(model)
     ids = build_calibration(tok, calib, nsamples=nsamples, seqlen=seqlen, model=m).input_ids
-    mask = lk.learn_mask(m, ids, k_keep, method=method)
+    mask = lk.learn_mask(m, ids, k_keep, method=method, train_sink=sink, train_window=window)
     path = mask.save(out_path)
     _console().print(f"LeanK {method} mask, k_keep={k_keep}: {path}")
 

@@ -151,6 +151,47 @@ def test_learned_mask_beats_random_masks(tiny_llama):
     assert kl(mk) < min(rand)
 
 
+def test_training_regime_defaults_to_deployment_sink_window():
+    from edgeprune.errors import CalibrationError
+    from edgeprune.leank import DEFAULT_SINK, DEFAULT_WINDOW, _train_regime
+    sink, window, pos = _train_regime(2048, None, None, None)
+    assert (sink, window) == (DEFAULT_SINK, DEFAULT_WINDOW)
+    assert pos[0] == DEFAULT_SINK + DEFAULT_WINDOW and pos[-1] == 2047
+    _, _, sub = _train_regime(2048, None, None, 100)       # evenly spaced subset, ends kept
+    assert len(sub) == 100 and sub[0] == 512 and sub[-1] == 2047 and bool((sub.diff() > 0).all())
+    assert _train_regime(64, None, None, None)[:2] == (2, 16)   # short windows: scaled down
+    with pytest.raises(CalibrationError, match="no pruned key"):
+        _train_regime(256, 64, 448, None)
+
+
+def test_training_problem_matches_reference_attention(tiny_llama):
+    """The stage-1/2 training forward (selected queries, precomputed dense logits) is the
+    inference rule: alpha = 1 gives the dense output; a 0/1 alpha with the mask's channels
+    gives the reference LeanK attention output at those queries."""
+    from edgeprune.leank import _capture, _LayerProblem
+    L, N, KV, D = kv_geometry(tiny_llama)
+    ids = torch.from_numpy(rand_ids(40, seed=5, batch=2))
+    h_in, _, (cos, sin) = _capture(tiny_llama, ids)
+    pos = torch.tensor([12, 20, 39])
+    attn = tiny_llama.model.layers[0].self_attn      # layer 0: same input under pruning
+    prob = _LayerProblem(attn, h_in[0], cos, sin, pos, 2, 6)
+    with torch.no_grad():
+        assert float((prob.output(torch.ones(KV, D)) - prob.target).abs().max()) < 1e-5
+        mk = learn_mask(tiny_llama, _calib(), 0.25, method="magnitude", alignment=4)
+        alpha = torch.from_numpy(mk.dense_scales(0))
+        got = prob.output(alpha)
+        seen = {}
+        hk = attn.register_forward_hook(lambda m, a, o: seen.__setitem__("o", o[0]))
+        try:
+            with apply_reference(tiny_llama, mk, sink=2, window=6):
+                tiny_llama(ids)
+        finally:
+            hk.remove()
+    ref = seen["o"][:, pos]
+    assert float((got - ref).abs().max()) < 1e-5
+    assert float((got - prob.target).abs().max()) > 1e-3       # pruning is active
+
+
 def test_mask_json_roundtrip_and_errors(tmp_path, tiny_llama):
     mk = learn_mask(tiny_llama, _calib(), 0.5, method="magnitude", alignment=4)
     p = mk.save(tmp_path / "m.json")
