@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -160,6 +161,10 @@ class Sampler:
             GenerationError: logits are not 1-D/2-D, contain NaN or +inf, or every logit of a
                 row is ``-inf``; ``generated`` has a different number of rows than ``logits``.
         """
+        if self.greedy and self.repetition_penalty == 1.0:
+            fast = _greedy_fast(logits)
+            if fast is not None:
+                return fast
         x = self._prepare(logits, generated)
         if self.greedy:
             return np.argmax(x, axis=1).astype(np.int64)
@@ -222,3 +227,21 @@ class Sampler:
             p = np.where(keep, p, 0.0)
             p /= p.sum(axis=1, keepdims=True)
         return p
+
+
+def _greedy_fast(logits) -> Optional[np.ndarray]:
+    """Greedy pick in one pass over the logits (the per-token hot path of decoding).
+
+    ``np.argmax`` returns the first NaN when there is one, and the value it points at is
+    NaN, +inf or -inf exactly when :meth:`Sampler._prepare` would raise; so a finite
+    value at every argmax proves the row clean. Returns ``None`` (take the checked path,
+    which raises the precise error) for anything else, including non-2-D input.
+    """
+    x = logits if isinstance(logits, np.ndarray) else np.asarray(logits)
+    if x.ndim != 2 or x.shape[1] == 0 or x.dtype != np.float32:
+        return None
+    idx = np.argmax(x, axis=1)
+    if not np.isfinite(x[np.arange(x.shape[0]), idx]).all():
+        return None
+    return idx.astype(np.int64)
+

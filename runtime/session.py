@@ -542,7 +542,7 @@ class Session:
             bd.bind_cpu_input("num_logits_to_keep", st["keep"])
             self.sess.run_with_iobinding(bd)
             return bd.get_outputs()[self.output_names.index("logits")].numpy()[:, -1]
-        self.sess.run_with_iobinding(bd)
+        _run_bound(self.sess, bd)
         return st["logits_buf"][:, 0]
 
     # ---------------------------------------------------------------- close
@@ -567,6 +567,19 @@ def _release_free_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _run_bound(sess, bd) -> None:
+    """``sess.run_with_iobinding(bd)`` for a binding whose outputs are all preallocated
+    CPU buffers (the decode step), without the Python wrapper's per-call WebGPU
+    graph-capture bookkeeping (it calls exactly the same bound ``run_with_iobinding``);
+    falls back to the public call if onnxruntime's internals differ."""
+    try:
+        inner, binding = sess._sess, bd._iobinding
+    except AttributeError:
+        sess.run_with_iobinding(bd)
+        return
+    inner.run_with_iobinding(binding, None)
 
 
 def _drop_mapped_weight_pages(folder: Path) -> int:

@@ -113,3 +113,26 @@ def test_bad_inputs_raise():
         s(np.zeros((2, 4), np.float32), [[]])
     with pytest.raises(GenerationError, match="outside the vocabulary"):
         s(np.zeros((1, 4), np.float32), [[4]])
+
+
+def test_greedy_fast_path_matches_and_still_rejects_bad_logits():
+    """Plain greedy decoding takes a one-pass argmax; it picks what the checked path
+    picks (ties: the first maximum) and still raises on NaN / +inf / all -inf rows,
+    wherever the bad value sits in the row."""
+    s = Sampler()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 1000)).astype(np.float32)
+    x[1, 10] = x[1, 500] = x[1].max() + 1          # a tie: the first index wins
+    x[2, :5] = -np.inf
+    assert s(x, [[], [], []]).tolist() == np.argmax(x, axis=1).tolist()
+    assert s(x, [[], [], []])[1] == 10
+    for bad, msg in ((np.nan, "NaN"), (np.inf, r"\+inf")):
+        for pos in (0, 499, 999):
+            y = x.copy()
+            y[2, pos] = bad
+            with pytest.raises(GenerationError, match=msg):
+                s(y, [[], [], []])
+    y = x.copy()
+    y[0, :] = -np.inf
+    with pytest.raises(GenerationError, match="-inf"):
+        s(y, [[], [], []])
