@@ -96,6 +96,13 @@ def main(argv=None):
     ap.add_argument("--nsamples", type=int, default=None)
     ap.add_argument("--seqlen", type=int, default=256)
     ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=8192,
+                    help="calibration tokens per layer (D trains its predictor on them)")
+    ap.add_argument("--channel-scale", default="gate_down",
+                    help="M score: gate_down (|up * E|act(gate)| * ||W_down col|||) | none (paper)")
+    ap.add_argument("--threshold-rule", default="pooled", help="pooled | median")
+    ap.add_argument("--train-epochs", type=int, default=None,
+                    help="D predictor training epochs (default edgeprune's; 0 = closed form)")
     ap.add_argument("--sparsities", default=None, help="e.g. 0.5,0.7,0.9")
     ap.add_argument("--modes", default="m,d")
     ap.add_argument("--threads", default="1,2")
@@ -141,7 +148,10 @@ def main(argv=None):
     allocs = ["uniform", "greedy"] if a.allocation == "both" else [a.allocation]
     from edgeprune.countdown import CountdownSpec
     cache = Path(a.spec_cache) if a.spec_cache else None
-    key = f"n{nsamples}-s{a.seqlen}-r{a.rank}"
+    from edgeprune.countdown import DEFAULT_TRAIN_EPOCHS
+    ep = DEFAULT_TRAIN_EPOCHS if a.train_epochs is None else a.train_epochs
+    key = (f"n{nsamples}-s{a.seqlen}-r{a.rank}-t{a.max_tokens}-{a.channel_scale}-"
+           f"{a.threshold_rule}-e{ep}")
     for mode in modes:
         for alloc in allocs:
             sfx = "" if alloc == "uniform" else "-greedy"
@@ -154,7 +164,9 @@ def main(argv=None):
                 continue
             t0 = time.time()
             got = calibrate_many(model, cal.input_ids, ([0.0] if alloc == "uniform" else []) + sps,
-                                 mode, rank=a.rank, allocation=alloc)
+                                 mode, rank=a.rank, allocation=alloc, max_tokens=a.max_tokens,
+                                 channel_scale=a.channel_scale, threshold_rule=a.threshold_rule,
+                                 train_epochs=ep)
             for s, sp in zip(want, got):
                 specs[f"{mode}-{s:g}{sfx}"] = sp
                 if cache is not None:
@@ -195,9 +207,10 @@ def main(argv=None):
             for k in ("ppl", "ppl_increase_pct", "kl", "top1_agree"):
                 rec(records, n, k, r[k])
             rec(records, n, "realised_act_sparsity", r["realised_sparsity"])
+            rec(records, n, "recall_top_coefs", r["recall_top"])
             log(f"{n:8s} ppl {r['ppl']:.3f} (dense {r['ppl_dense']:.3f}, "
                 f"{r['ppl_increase_pct']:+.1f}%) KL {r['kl']:.4f} top1 {r['top1_agree']:.3f} "
-                f"skipped {r['realised_sparsity']:.3f}")
+                f"skipped {r['realised_sparsity']:.3f} recall {r['recall_top']:.3f}")
         flush()
 
     prompt = None

@@ -2,7 +2,8 @@
 
 COUNTDOWN (Cheon et al., EMNLP 2025) keeps, per token, only the MLP coefficients
 ``c_j = act(gate_j(x)) * up_j(x)`` whose filter score passes a per-layer threshold
-(M: ``|up(x)|``; D: ``|act(x Vg Ug) * (x Vu Uu)|``, a low-rank predictor). This module
+(M: ``|up(x) * f|`` with ``f [I]`` a static per-channel scale from calibration, or the
+paper's ``|up(x)|``; D: ``|act(x Vg Ug) * (x Vu Uu)|``, a low-rank predictor). This module
 turns a calibrated spec (``edgeprune.countdown.CountdownSpec``, duck-typed: ``mode``,
 ``act_sparsity``, ``thresholds``, ``rank``, ``predictor_arrays(i)``, ``to_json()``) into
 the MLP blocks of the exported decoder.
@@ -18,7 +19,7 @@ No weight is stored twice in fp32/fp16.
 
 Sparse MLP (per layer, ``x [T, H]``, ``T = batch * seq``)::
 
-    score = |up(x)|  (M)   or   |act(x Vg Ug) * (x Vu Uu)|  (D)       [T, I]
+    score = |up(x) * f|  (M)   or   |act(x Vg Ug) * (x Vu Uu)|  (D)   [T, I]
     keep  = score > tau                                              [T, I]
     idx   = NonZero(ReduceMax(keep, over tokens))                    [k]   (union of rows)
     g     = Gemm(x, Gather(W_gate, idx), transB=1)                   [T, k]
@@ -178,6 +179,29 @@ class CountdownMixin:
         self.g.uses_ms_domain = True
         return out
 
+    def _cd_q4_matmul(self, sb: GraphBuilder, x2: str, p: dict, which: str, name: str) -> str:
+        """``x2 @ Ŵ^T`` for the D q4 predictor's 4-bit ``which`` ("gate"/"up") copy:
+        ``MatMulNBits`` (fused graph) or a float MatMul on the dequantized copy (plain
+        graph), with
+        ``accuracy_level=0`` (fp32 activations) so it selects the same coefficients as
+        the PyTorch reference (``edgeprune.countdown.predictor_score``)."""
+        from .int4 import IntWeight
+        iw = IntWeight(codes=p[which + "_codes"].astype(np.uint8),
+                       scales=p[which + "_scales"].astype(np.float32),
+                       zeros=p[which + "_zeros"].astype(np.uint8), bits=4,
+                       block_size=int(p["block_size"].reshape(-1)[0]))
+        if not self.fused:
+            # plain graph: the exact dequantized values as a float initializer (no byte
+            # saving; the blocked DequantizeLinear path did not match the reference here)
+            wt = np.ascontiguousarray(iw.dequantize().T.astype(self.fdtype))     # [H, I]
+            return sb.matmul(x2, self.g.initializer(name + ".weight_t", wt), name=name)
+        saved_g, saved_acc = self.g, self.opts.accuracy_level
+        self.g, self.opts.accuracy_level = sb, 0
+        try:
+            return self._int_matmul(x2, iw, name)
+        finally:
+            self.g, self.opts.accuracy_level = saved_g, saved_acc
+
     # ------------------------------------------------------------------ branches
     def _cd_dense(self, sb: GraphBuilder, i: int, x2: str, w: dict) -> str:
         name = f"layers.{i}.mlp"
@@ -204,7 +228,9 @@ class CountdownMixin:
         tau = float(spec.thresholds[i])
         silu = lambda t, n: sb.mul(t, sb.node("Sigmoid", [t]), name=n)  # noqa: E731
         up_full = None
-        p = spec.predictor_arrays(i) if spec.mode == "d" else {}
+        p = spec.predictor_arrays(i)
+        ini = lambda k: self.g.initializer(f"{name}.countdown.{k}",  # noqa: E731
+                                           p[k].astype(self.fdtype))
         if spec.mode == "m" or not p:          # D at act_sparsity 0 has no predictor
             if w["int"]:
                 saved, self.g = self.g, sb
@@ -216,9 +242,14 @@ class CountdownMixin:
             else:
                 up_full = sb.node("Gemm", [x2, w["up_proj"]], name=name + ".up_proj", transB=1)
             score = up_full
+            if "channel_scale" in p:          # M refinement: |up * f| (f > 0, static)
+                score = sb.mul(up_full, ini("channel_scale"), name=name + "/scaled_up")
+        elif "gate_codes" in p:                # D q4: 4-bit copies of gate/up (MatMulNBits)
+            pg = self._cd_q4_matmul(sb, x2, p, "gate", name + ".countdown.gate_q4")
+            pu = self._cd_q4_matmul(sb, x2, p, "up", name + ".countdown.up_q4")
+            score = sb.mul(sb.mul(silu(pg, name + "/pred_act"), pu, name=name + "/pred"),
+                           ini("channel_scale"), name=name + "/pred_scaled")
         else:
-            ini = lambda k: self.g.initializer(f"{name}.countdown.{k}",  # noqa: E731
-                                               p[k].astype(self.fdtype))
             pg = sb.matmul(sb.matmul(x2, ini("v_gate")), ini("u_gate"), name=name + "/pred_gate")
             pu = sb.matmul(sb.matmul(x2, ini("v_up")), ini("u_up"), name=name + "/pred_up")
             score = sb.mul(silu(pg, name + "/pred_act"), pu, name=name + "/pred")
@@ -306,8 +337,12 @@ class CountdownMixin:
             "int4": ({"rows": "GatherBlockQuantized, blocks along hidden",
                       "down_t": self._cd_int_info or "n/a"} if self._cd_int_info else None),
             "mlp_rows_bytes_per_unit": {"gate": H, "up": H, "down": H},
-            "predictor_params_per_layer": (2 * (H * r + r * I)) if spec.mode == "d" else 0,
+            "predictor_kind": getattr(spec, "predictor_kind", None),
+            "predictor_params_per_layer": (2 * (H * r + r * I)) if spec.mode == "d" and r else 0,
+            "predictor_bytes_per_layer": (spec.stats or {}).get("predictor_bytes_per_layer"),
             "up_read_in_full": spec.mode == "m",
+            "channel_scale": bool(spec.mode == "m" and spec.predictor_arrays(0)
+                                  and "channel_scale" in spec.predictor_arrays(0)),
         })
         return meta
 

@@ -96,7 +96,8 @@ class CountdownSession(Session):
         """Measured MLP weight reads of the decode steps of the last generation.
 
         From the rows kept per layer (graph output ``countdown_kept``): per layer and step
-        M reads all ``I`` rows of up plus ``k`` rows of gate and of down^T; D reads ``k``
+        M reads all ``I`` rows of up plus ``k`` rows of gate and of down^T (plus its ``I``
+        channel scales when the export has them); D reads ``k``
         rows of each plus its predictor (``2 (H r + r I)`` values). Bytes per row follow
         the export's precision (fp32 ``4H``, fp16 ``2H``, int4 ``H/2`` codes + a
         scale (4 B) and a packed zero point per block).
@@ -128,9 +129,12 @@ class CountdownSession(Session):
         if not self.countdown_enabled or all(float(t) < 0 for t in cd.get("thresholds") or [0]):
             per_step = np.full(len(k), dense)        # filter off / act_sparsity 0: all rows
         elif cd.get("mode") == "m":
-            per_step = (I * row + 2 * k * row).sum(1)
+            per_step = (I * row + 2 * k * row).sum(1) + \
+                (L * I * elem_pred if cd.get("channel_scale") else 0)
         else:
-            per_step = (3 * k * row + 2 * (H * r + r * I) * elem_pred).sum(1)
+            pb = cd.get("predictor_bytes_per_layer")      # q4 predictor: as exported
+            pred = float(pb) if pb and not r else 2 * (H * r + r * I) * elem_pred
+            per_step = (3 * k * row + pred).sum(1)
         return {"decode_steps": int(len(k)), "kept_rows_mean": float(k.mean()),
                 "kept_fraction_mean": float(k.mean() / I),
                 "mlp_bytes_read_per_token": float(per_step.mean()),

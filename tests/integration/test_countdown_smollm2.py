@@ -34,7 +34,8 @@ def test_zero_sparsity_is_dense_and_m05_quality_band(setup, wikitext_path):
     assert torch.equal(dense, same)
     assert abs(m05.stats["realised_sparsity_mean"] - 0.5) < 0.03
     r = cd.evaluate(model, tok, m05, wikitext_path, seqlen=512, nwindows=2)
-    # Measured on SmolLM2-135M (bench/countdown.py, 40 windows): about +30% ppl at 50%.
+    # Measured on SmolLM2-135M (bench/countdown.py, 40 windows): about +17% ppl at 50%
+    # with the default channel scale (+30% with the paper's plain |up(x)|).
     # The band catches a filter that does nothing (~0%) or a broken one (>> +60%).
     assert 10.0 < r["ppl_increase_pct"] < 60.0, r
     assert 0.05 < r["kl"] < 0.6
