@@ -247,6 +247,21 @@ def plain_decode_speed(sess, context: int, steps: int = 16, warmup: int = 2) -> 
     return {"tok_s": 1.0 / med, "step_ms": med * 1e3}
 
 
+def _export_matches(folder: Path, mask, args) -> bool:
+    """Whether a cached LeanK export holds ``mask`` (keep1.0: the full mask) with this
+    sink / window (a mask re-learned with another recipe must be re-exported)."""
+    try:
+        lk = json.loads((folder / "edgeprune.json").read_text()).get("leank") or {}
+    except (OSError, ValueError):
+        return False
+    if (lk.get("sink"), lk.get("window")) != (args.sink, args.window):
+        return False
+    if mask is None:
+        return lk.get("method") == "full"
+    d = mask.to_dict()
+    return lk.get("keep") == d["keep"] and lk.get("scales") == d["scales"]
+
+
 def runtime_records(model, tok, masks, order, by_name, args, rec) -> list:
     """Export (fp32 and int4 weights) and measure K/V cache bytes and decode speed."""
     import exporters
@@ -267,7 +282,8 @@ def runtime_records(model, tok, masks, order, by_name, args, rec) -> list:
             if name == "dense-plain" and precision != "fp32":
                 continue
             folder = out_root / f"{name}-{precision}"
-            cached = folder.exists() and not args.fresh
+            cached = folder.exists() and not args.fresh and (
+                name.startswith("dense") or _export_matches(folder, mask, args))
             if not cached:
                 kw = {"graph": "plain" if name == "dense-plain" else "fused"}
                 if not name.startswith("dense"):
