@@ -79,3 +79,46 @@ def test_int4_size_and_agreement(smollm2, fp32_folder, tmp_path):
     with runtime.load(tmp_path / "int4", threads=2) as s:
         r = s.generate("What is the capital of France?", max_new_tokens=12, chat=True)
     assert "Paris" in r.text
+
+
+def test_24_export_perplexity_and_compact_size(smollm2, wikitext_path, tmp_path):
+    """Issue 4's 2:4 must-shows on the real model. (1) The 2:4 export (fp32) scores the
+    PyTorch 2:4 model's perplexity within 0.1%. (2) The compact 2:4 folder (fp16 non-zero
+    values + 2-bit positions, 8-bit tied head) is <= 0.6x the fp16 dense export's files
+    (measured 150.8 vs 269.2 MB = 0.56x). (3) Its documented quality cost stays small:
+    measured +0.36% perplexity, which comes from the 8-bit head's int8 activations
+    (``accuracy_level=4``) and fp16 values; bounded here at 0.5%. Wanda 2:4 on a little of
+    the embedded calibration text (seconds) is the subject: magnitude 2:4 (ppl ~2,300) is
+    too degenerate a model to measure export error on."""
+    import copy
+
+    from edgeprune.calibration import build_calibration
+    from edgeprune.engine import compress
+    from edgeprune.evaluate import perplexity
+    from edgeprune.recipe import WandaConfig
+
+    dense, tok = smollm2
+    model = copy.deepcopy(dense)
+    cal = build_calibration(tok, None, nsamples=8, seqlen=256, seed=0)
+    compress(model, WandaConfig(prune_n=2, prune_m=4), cal.input_ids, progress=False, measure_errors=False)
+
+    def size(folder):
+        return sum(p.stat().st_size for p in folder.iterdir() if p.name.startswith("model.onnx"))
+
+    def onnx_ppl(folder):
+        with runtime.load(folder, threads=2, max_length=1024) as s:
+            return perplexity(lambda ids: torch.from_numpy(s.logits(ids.numpy())), tok, wikitext_path,
+                              seqlen=512, nwindows=nw, progress=False).ppl
+
+    nw = 4
+    ref = perplexity(model, tok, wikitext_path, seqlen=512, nwindows=nw, progress=False).ppl
+    exp = {}
+    for name, kw in (("fp32", dict(precision="fp32")), ("fp16", dict(precision="fp16")),
+                     ("compact", dict(precision="fp32", compact_24=True))):
+        exp[name] = exporters.export_onnx(model, tok, tmp_path / name, sparse_24=True, max_length=1024,
+                                          validate=False, **kw)
+        assert exp[name].metadata["sparsity"]["pattern"] == "2:4"
+    assert abs(onnx_ppl(tmp_path / "fp32") / ref - 1) <= 1e-3
+    ratio = size(tmp_path / "compact") / size(tmp_path / "fp16")
+    assert ratio <= 0.6, ratio
+    assert abs(onnx_ppl(tmp_path / "compact") / ref - 1) <= 5e-3
