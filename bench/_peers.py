@@ -118,11 +118,13 @@ OURS_VARIANTS = {
 
 
 def ensure_ours(folder: Path, log, variant: str = "default") -> str | None:
-    """Export SmolLM2 to int4 once (cached; re-exported when any ``exporters/*.py`` is newer
-    than the cached folder, so a stale export never gets measured); returns an error
-    string or None. ``variant``: a key of :data:`OURS_VARIANTS`."""
+    """Export SmolLM2 to int4 once (cached; re-exported when any ``exporters/*.py`` or
+    compression code ``edgeprune/**/*.py`` is newer than the cached folder, so a stale
+    export never gets measured); returns an error string or None. ``variant``: a key of
+    :data:`OURS_VARIANTS`."""
     meta = folder / "edgeprune.json"
-    newest = max(p.stat().st_mtime for p in (ROOT / "exporters").glob("*.py"))
+    srcs = [*(ROOT / "exporters").glob("*.py"), *(ROOT / "edgeprune").rglob("*.py")]
+    newest = max(p.stat().st_mtime for p in srcs)
     if (folder / "model.onnx").is_file() and meta.is_file() and meta.stat().st_mtime > newest:
         return None
     code = ("import sys; sys.path.insert(0, %r)\n"
