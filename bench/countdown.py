@@ -101,6 +101,8 @@ def main(argv=None):
     ap.add_argument("--channel-scale", default="gate_down",
                     help="M score: gate_down (|up * E|act(gate)| * ||W_down col|||) | none (paper)")
     ap.add_argument("--threshold-rule", default="pooled", help="pooled | median")
+    ap.add_argument("--predictor", default="q4",
+                    help="D predictor: q4 (4-bit copy of gate/up) | lowrank (rank --rank)")
     ap.add_argument("--train-epochs", type=int, default=None,
                     help="D predictor training epochs (default edgeprune's; 0 = closed form)")
     ap.add_argument("--sparsities", default=None, help="e.g. 0.5,0.7,0.9")
@@ -150,8 +152,8 @@ def main(argv=None):
     cache = Path(a.spec_cache) if a.spec_cache else None
     from edgeprune.countdown import DEFAULT_TRAIN_EPOCHS
     ep = DEFAULT_TRAIN_EPOCHS if a.train_epochs is None else a.train_epochs
-    key = (f"n{nsamples}-s{a.seqlen}-r{a.rank}-t{a.max_tokens}-{a.channel_scale}-"
-           f"{a.threshold_rule}-e{ep}")
+    key = (f"n{nsamples}-s{a.seqlen}-t{a.max_tokens}-{a.channel_scale}-{a.threshold_rule}-"
+           + (f"lowrank-r{a.rank}-e{ep}" if a.predictor == "lowrank" else a.predictor))
     for mode in modes:
         for alloc in allocs:
             sfx = "" if alloc == "uniform" else "-greedy"
@@ -166,7 +168,7 @@ def main(argv=None):
             got = calibrate_many(model, cal.input_ids, ([0.0] if alloc == "uniform" else []) + sps,
                                  mode, rank=a.rank, allocation=alloc, max_tokens=a.max_tokens,
                                  channel_scale=a.channel_scale, threshold_rule=a.threshold_rule,
-                                 train_epochs=ep)
+                                 train_epochs=ep, predictor=a.predictor)
             for s, sp in zip(want, got):
                 specs[f"{mode}-{s:g}{sfx}"] = sp
                 if cache is not None:
