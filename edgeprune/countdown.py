@@ -14,15 +14,15 @@ teacher-forced window is filtered the way a decoded token would be):
   ``|u_j f_j| > τ_l`` with a static per-channel scale ``f_j = E|act(gate_j(x))| *
   ||W_down[:, j]||`` (calibration mean; ``channel_scale="none"`` is the paper's rule):
   ``|u_j| f_j`` is the expected size of term ``j`` of the down projection given ``u_j``.
-  Measured on SmolLM2-135M at 50%: +17% WikiText-2 ppl vs +31% for ``|u|``
+  Measured on SmolLM2-135M at 50%: +16.0% WikiText-2 ppl (40 windows) vs +31% for ``|u|``
   (``bench/countdown_study.py``; README "COUNTDOWN").
 * **D-COUNTDOWN** predicts the *direct* coefficient from the block input and thresholds
   it, so up and gate rows and down columns are all skipped. Default predictor
   (``predictor="q4"``, our design): a 4-bit RTN copy (asym, blocks of 64 along ``H``) of
   ``W_gate`` and ``W_up``, ``ĉ = act(x Ŵ_g^T) ⊙ (x Ŵ_u^T) ⊙ ||W_down[:, j]||`` — about
   9.5% of the fp32 MLP bytes on SmolLM2-135M, the same budget as a rank-64 low-rank
-  predictor, and near the oracle (recall ~0.9 of the true top-30% at 70%, +18% ppl vs
-  the oracle's +16%). ``predictor="lowrank"``: ``ĉ = act(x V_g U_g) ⊙ (x V_u U_u)``,
+  predictor, and near the oracle (recall 0.89 of the true top-30% at 70%; +3.9% / +17.4% /
+  +224% ppl at 50 / 70 / 90% vs the oracle's +2.9% / +15.8% / +216%, 40 windows). ``predictor="lowrank"``: ``ĉ = act(x V_g U_g) ⊙ (x V_u U_u)``,
   ``V [H, r]``, ``U [r, I]`` initialised by reduced-rank regression (closed form: whiten
   ``x``, truncated SVD of the whitened weight) then trained (:func:`train_predictor`) to
   regress the down-column-weighted direct coefficient; it stays far from the oracle on
@@ -39,7 +39,7 @@ default: the greedy allocation (``allocation="greedy"``) keeps the mean but *hur
 variant tried (oracle at 50%: +13% greedy vs +2.6% uniform).
 
 Oracle bound on SmolLM2-135M (true top ``|c|`` per token, ``bench/countdown_study.py``):
-+2.6% at 50%, +16% at 70%, +223% at 90% — so +10% at 70% is out of reach of any
++2.9% at 50%, +15.8% at 70%, +216% at 90% (40 windows) — so +10% at 70% is out of reach of any
 per-token coefficient filter on this model.
 
 Act-sparsity ``s = 0`` keeps every coefficient (threshold ``-1``): the output equals the
