@@ -230,15 +230,22 @@ class _StatsCollector:
             st.add(x2[valid & finite])
         return hook
 
-    def run(self, block, batches):
+    def run(self, block, batches, stop_at: Optional[str] = None):
         """One forward pass of ``block`` over all batches; returns ``{name: InputStats}``.
 
-        After the first batch, the pass stops right after the last target linear has seen
-        its input (the block's remaining ops and outputs are not needed here).
+        The pass stops right after the last target linear has seen its input (the
+        block's remaining ops and outputs are not needed here): from the first batch on
+        when ``stop_at`` names that linear, else from the second batch on (the first one
+        finds the call order).
         """
         order: list[str] = []
         rec = [m.register_forward_pre_hook(lambda mod, inp, n=n: order.append(n)) for n, m in self.modules.items()]
         stop = None
+        if stop_at is not None:
+            for h in rec:
+                h.remove()
+            rec = []
+            stop = self.modules[stop_at].register_forward_pre_hook(_raise_stop)
         with torch.no_grad():
             for bi, b in enumerate(batches):
                 self.tokmask = b[2]
@@ -247,7 +254,7 @@ class _StatsCollector:
                     block(b[0], **b[1])
                 except _StopForward:
                     pass
-                if bi == 0:
+                if bi == 0 and stop is None:
                     for h in rec:
                         h.remove()
                     if order:
@@ -488,7 +495,8 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
                     groups = [names]
                 for group in groups:
                     final_stats.update(_compress_group(block, modules, group, cfg, meth, recipe, si, batches,
-                                                       result, ref, measure_errors, error_tokens, device))
+                                                       result, ref, measure_errors, error_tokens, device,
+                                                       in_call_order=len(groups) > 1))
             if measure_errors:
                 for n, st in final_stats.items():
                     He = st.error_hessian
@@ -511,9 +519,11 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
 
 
 def _compress_group(block, modules, names, cfg, meth, recipe, si, batches, result, ref,
-                    measure_errors, error_tokens, device) -> dict:
+                    measure_errors, error_tokens, device, in_call_order: bool = False) -> dict:
     """Gather statistics for ``names`` in one pass of ``block``, compress them, write back.
 
+    ``in_call_order``: ``names`` are in the block's call order (true-sequential groups),
+    so the statistics pass can stop after the last one from the first batch on.
     Returns ``{name: InputStats}`` of the statistics each layer's error is measured on.
     """
     final_stats = {}
@@ -521,7 +531,8 @@ def _compress_group(block, modules, names, cfg, meth, recipe, si, batches, resul
         stats = {n: InputStats.empty(modules[n].in_features, False, device) for n in names}
     else:
         stats = _StatsCollector({n: modules[n] for n in names}, meth.needs_hessian, device,
-                                error_tokens if measure_errors else 0).run(block, batches)
+                                error_tokens if measure_errors else 0).run(
+            block, batches, stop_at=names[-1] if in_call_order else None)
     tasks = []
     for n in names:
         w = modules[n].weight.detach().float().clone()
