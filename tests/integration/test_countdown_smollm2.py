@@ -63,9 +63,9 @@ def test_onnx_decode_matches_reference(setup, tmp_path):
     mlps = cd.gated_mlps(model)
     n0 = len(prompt)
     for i, mlp in enumerate(mlps):
-        def fwd(x, _m=mlp, _t=m05.thresholds[i]):
+        def fwd(x, _m=mlp, _t=m05.thresholds[i], _p=m05.predictors[i] if m05.predictors else None):
             y = _m.down_proj(_m.act_fn(_m.gate_proj(x)) * _m.up_proj(x)).clone()
-            y[:, n0:] = cd.filtered_mlp(_m, x, "m", _t)[:, n0:]
+            y[:, n0:] = cd.filtered_mlp(_m, x, "m", _t, _p)[:, n0:]
             return y
         mlp.forward = fwd
     try:
