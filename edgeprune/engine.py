@@ -239,13 +239,12 @@ class _StatsCollector:
         finds the call order).
         """
         order: list[str] = []
-        rec = [m.register_forward_pre_hook(lambda mod, inp, n=n: order.append(n)) for n, m in self.modules.items()]
-        stop = None
+        rec, stop = [], None
         if stop_at is not None:
-            for h in rec:
-                h.remove()
-            rec = []
             stop = self.modules[stop_at].register_forward_pre_hook(_raise_stop)
+        else:
+            rec = [m.register_forward_pre_hook(lambda mod, inp, n=n: order.append(n))
+                   for n, m in self.modules.items()]
         with torch.no_grad():
             for bi, b in enumerate(batches):
                 self.tokmask = b[2]
@@ -311,7 +310,6 @@ def _sequential_groups(block, modules: dict[str, nn.Linear], batch, suffixes: tu
         else:
             groups.append([sfx])
         prev = x
-    calls.clear()
     rest = [s for s in suffixes if s not in seen]
     if rest:
         groups.append(rest)
@@ -486,7 +484,7 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
                     short = ",".join(dict.fromkeys(n.rsplit(".", 1)[-1] for n in names))
                     bar.set_description(f"block {bi + 1}/{len(blocks)}: {cfg.method} {short}")
                 if getattr(cfg, "true_sequential", False) and need_data and len(names) > 1:
-                    key = tuple(n.split(".", len(prefix.split(".")) + 1)[-1] for n in names)
+                    key = tuple(n[len(f"{prefix}.{bi}."):] for n in names)  # names relative to the block
                     if key not in seq_groups:
                         seq_groups[key] = _sequential_groups(block, {n: modules[n] for n in names},
                                                              batches[0], key)
