@@ -104,13 +104,15 @@ def write_json_records(path: str | os.PathLike, records: list[dict]) -> None:
 
 
 OURS_VARIANTS = {
-    # what `edgeprune run` ships by default: GPTQ int4 g64 asym (64 x 512 windows of the
-    # embedded calibration text), 8-bit lm_head shared with the embedding
+    # what `edgeprune run` ships by default (edgeprune.pipeline.RunConfig()): the best-w4
+    # preset (GPTQ int4 g64 asym, 8-bit v_proj and layers.0 down_proj) calibrated on 32 x 512
+    # tokens sampled from the model, 8-bit lm_head shared with the embedding
     "default": ("from edgeprune.calibration import build_calibration\n"
                 "from edgeprune.engine import compress\n"
-                "from edgeprune.pipeline import RunConfig, build_recipe\n"
-                "cal = build_calibration(t, None, nsamples=64, seqlen=512, seed=0)\n"
-                "res = compress(m, build_recipe(RunConfig()), cal.input_ids, progress=False)\n"
+                "from edgeprune.pipeline import DEFAULT_CALIB, RunConfig, build_recipe\n"
+                "c = RunConfig()\n"
+                "cal = build_calibration(t, DEFAULT_CALIB, nsamples=c.nsamples, seqlen=c.seqlen, seed=c.seed, model=m)\n"
+                "res = compress(m, build_recipe(c), cal.input_ids, progress=False)\n"
                 "kw = dict(quantized=res.quantized)\n"),
     # block-for-block like Q4_0: RTN int4 g32 (asym), 8-bit lm_head
     "rtn-g32": "kw = dict(group_size=32)\n",

@@ -246,22 +246,34 @@ def self_generated(model, tokenizer, *, nsamples: int = 128, seqlen: int = 512, 
     dev = next(model.parameters()).device
     out = []
     from tqdm.auto import tqdm
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class _Tick(LogitsProcessor):
+        """Advances the progress bar by one generated position per batch (scores unchanged)."""
+
+        def __call__(self, input_ids, scores):
+            bar.update(int(input_ids.shape[0]))
+            return scores
+
     was = model.training
     model.eval()
+    bar = tqdm(total=nsamples * (seqlen - 1), desc="self-calibration", unit="tok",
+               disable=not progress, leave=False)
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(seed)
-            for b0 in tqdm(range(0, nsamples, batch_size), desc="self-calibration",
-                           disable=not progress, leave=False):
+            for b0 in range(0, nsamples, batch_size):
                 n = min(batch_size, nsamples - b0)
                 ids = torch.full((n, 1), int(start), dtype=torch.long, device=dev)
                 gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                      temperature=float(temperature), top_k=0, top_p=1.0,
                                      max_new_tokens=seqlen - 1, min_new_tokens=seqlen - 1,
                                      pad_token_id=eos if eos is not None else start,
-                                     suppress_tokens=[eos] if eos is not None else None)
+                                     suppress_tokens=[eos] if eos is not None else None,
+                                     logits_processor=LogitsProcessorList([_Tick()]))
                 out.append(gen[:, :seqlen].cpu())
     finally:
+        bar.close()
         model.train(was)
     input_ids = torch.cat(out, 0).to(torch.long)
     info = dict(source=f"self:T={float(temperature):g}", sha256=hashlib.sha256(
@@ -272,7 +284,7 @@ def self_generated(model, tokenizer, *, nsamples: int = 128, seqlen: int = 512, 
 
 def build_calibration(tokenizer, source: str | Path | None = None, *, nsamples: int = 128,
                       seqlen: int = 512, seed: int = 0, model_max_length: int | None = None,
-                      model=None) -> CalibrationSet:
+                      model=None, progress: bool = False) -> CalibrationSet:
     """Build ``nsamples`` windows of ``seqlen`` tokens, seeded and reproducible.
 
     Args:
@@ -283,6 +295,7 @@ def build_calibration(tokenizer, source: str | Path | None = None, *, nsamples: 
         seed: seed of the window draw.
         model_max_length: the model's context length, if smaller than the cap.
         model: the model, needed (only) for ``source="self"`` (:func:`self_generated`).
+        progress: show a progress bar while ``source="self"`` generates (tokens).
 
     Returns:
         :class:`CalibrationSet` with ``input_ids`` ``int64 [nsamples, seqlen]``.
@@ -296,7 +309,8 @@ def build_calibration(tokenizer, source: str | Path | None = None, *, nsamples: 
         if model is None:
             raise CalibrationError("calibration source 'self' samples text from the model",
                                    "pass model= to build_calibration (the CLI does this for --calib self)")
-        return self_generated(model, tokenizer, nsamples=nsamples, seqlen=seqlen, seed=seed)
+        return self_generated(model, tokenizer, nsamples=nsamples, seqlen=seqlen, seed=seed,
+                              progress=progress)
     _check_nsamples(nsamples)
     check_seqlen(seqlen, model_max_length)
     docs, desc = load_documents(source, part="calibration")

@@ -64,7 +64,7 @@ def method_options(f):
     """Options shared by ``run`` and ``compress``."""
     opts = [
         click.option("--method", type=click.Choice(METHODS), default=None,
-                     help="Compression method (default for run: gptq int4 g64)."),
+                     help="Compression method (default for run: the best-w4 preset, GPTQ int4 g64 with 8-bit v_proj)."),
         click.option("--recipe", type=click.Path(dir_okay=False), default=None,
                      help="TOML/YAML recipe file chaining methods, or a preset name such as best-w4 (overrides --method)."),
         click.option("--bits", type=int, default=None, help="Quantization bits: 2, 3, 4 or 8."),
@@ -74,7 +74,7 @@ def method_options(f):
         click.option("--pattern", default=None, help="N:M sparsity, e.g. 2:4 (prune_n:prune_m)."),
         click.option("--calib", default=None,
                      help="Calibration text: .txt/.jsonl/.parquet file, hf:NAME, or 'self' (text sampled "
-                          "from the model) (default: embedded text)."),
+                          "from the model), or 'default' (the embedded text) (default: run 'self', compress 'default')."),
         click.option("--nsamples", type=int, default=None, help="Calibration windows."),
         click.option("--seqlen", type=int, default=512, show_default=True, help="Tokens per calibration window."),
         click.option("--seed", type=int, default=0, show_default=True),
@@ -112,7 +112,7 @@ def run_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, cal
 
     pn, pm = _parse_pattern(pattern)
     cfg = RunConfig(model=model, method=method, recipe=recipe, bits=bits, group_size=group_size, sym=sym,
-                    sparsity=sparsity, prune_n=pn, prune_m=pm, calib=calib, nsamples=nsamples or 64,
+                    sparsity=sparsity, prune_n=pn, prune_m=pm, calib=calib, nsamples=nsamples or RunConfig.nsamples,
                     seqlen=seqlen, seed=seed, eval_text=eval_text, eval_nwindows=eval_nwindows,
                     threads=threads, prompt_len=prompt_len, gen_len=gen_len, repeat=repeat, device=device)
     con = _console()

@@ -55,3 +55,18 @@ def test_best_w4_average_bits_per_weight_within_budget():
     n8 = 30 * 192 * 576 + 576 * 1536
     assert abs(avg - (4.3125 + (8.375 - 4.3125) * n8 / tot)) < 1e-9
     assert abs(avg - 4.4733) < 1e-4 and avg <= 4.5
+
+
+def test_run_defaults_to_the_best_w4_preset_and_self_calibration():
+    """`edgeprune run` with no method setting compresses with best-w4 calibrated on text
+    sampled from the model; any method setting switches to DEFAULT_METHOD plus it."""
+    from edgeprune.pipeline import DEFAULT_CALIB, RunConfig, build_recipe
+    from edgeprune.recipe import Recipe
+    r = build_recipe(RunConfig())
+    assert r.to_dict() == Recipe.from_file(BEST).to_dict()
+    assert DEFAULT_CALIB == "self" and RunConfig().calib is None and RunConfig().nsamples == 32
+    r3 = build_recipe(RunConfig(bits=3))
+    assert [(s.method, s.bits, s.group_size, s.sym) for s in r3.stages] == [("gptq", 3, 64, False)]
+    rr = build_recipe(RunConfig(method="rtn"))
+    assert [(s.method, s.bits) for s in rr.stages] == [("rtn", 4)]
+    assert build_recipe(RunConfig(recipe="best-w4")).to_dict() == r.to_dict()
