@@ -389,7 +389,7 @@ def main(argv=None) -> int:
                         pv = pp(k)
                         print(f"{case:<26}{name:<22}{d['decode_tok_s']:>13.1f}{d['prefill_tok_s']:>15.1f}"
                               f"{d['peak_rss_mb']:>14.1f}{d['bandwidth_limit_tok_s']:>10.1f}"
-                              f"{100 * d['bandwidth_fraction']:>9.0f}%{pv if pv is None else round(pv, 2):>9}")
+                              f"{100 * d['bandwidth_fraction']:>9.0f}%{'-' if pv is None else round(pv, 2):>9}")
                     else:
                         err = errors.get((f"ours:{v}", t) if name.startswith("ours") else (q, t)) or \
                             ours_errs.get(v) or peer_err or "not run"

@@ -7,8 +7,9 @@ builder (``-p int4 -e cpu``: RTN sym block 32, accuracy level 4, int4 lm_head) r
 its own virtualenv ``.venv-ortgenai``. Each measurement runs in a fresh subprocess:
 batch 1, a 128-token WikiText-2 prompt (the same ids for both), 128 greedy new tokens
 (EOS ignored), 1 and 2 intra-op threads, KV cache sized 256 for both. Cases
-``int4-t1``/``int4-t2`` use what ``edgeprune run`` ships by default (GPTQ int4 g64 asym,
-8-bit lm_head shared with the embedding; ``bench/_peers.py`` ``OURS_VARIANTS``);
+``int4-t1``/``int4-t2`` use what ``edgeprune run`` ships by default (the best-w4 preset:
+GPTQ int4 g64 asym with 8-bit v_proj and layers.0 down_proj, calibrated on text sampled from
+the model; 8-bit lm_head shared with the embedding; ``bench/_peers.py`` ``OURS_VARIANTS``);
 ``int4-rtn-g32-t*`` the plain ``export_onnx(precision="int4")`` of the dense weights (RTN
 asym block 32, block for block like the peer) and ``int4-rtn-g32-lmhead4-t*`` the same with
 an int4 lm_head like the peer's builder default (like-for-like bytes per token). Reported: decode

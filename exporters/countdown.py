@@ -32,9 +32,10 @@ computes exactly the PyTorch reference at every position.
 
 ``graph_mode``:
 
-* ``"if"`` (default): an ``If`` on ``sequence_length == 1 and countdown.enabled``:
-  decode steps run sparse, prefill runs the dense path (the union of a long prompt's
-  masks is nearly all rows, so sparsity does not pay there). ``countdown.enabled`` is a
+* ``"if"`` (default): an ``If`` on ``batch_size * sequence_length == 1 and
+  countdown.enabled``: single-sequence decode steps run sparse (a branch specialised to
+  one token: no union, no per-token mask), prefill and batched decode run the dense path
+  (the union of many tokens' masks is most rows, so sparsity does not pay there). ``countdown.enabled`` is a
   bool initializer the runtime can override to switch filtering off
   (``runtime.countdown.load(folder, countdown=False)``).
 * ``"sparse"``: always sparse (every position filtered; used to score quality through
@@ -116,10 +117,9 @@ class CountdownMixin:
         g = self.g
         if getattr(self, "_cd_cond_name", None) is None:
             en = g.initializer(ENABLED_NAME, np.array(True))
-            seq = g.shape("input_ids", 1, 2, name="countdown/seq")
-            one = g.node("Equal", [seq, g.const([1])], name="countdown/is_decode")
-            both = g.node("And", [one, en], name="countdown/cond")
-            self._cd_cond_name = g.squeeze(both, [0], name="countdown/cond_scalar")
+            n = g.node("Size", ["input_ids"], name="countdown/tokens")          # B * S
+            one = g.node("Equal", [n, g.const(1)], name="countdown/is_decode")
+            self._cd_cond_name = g.node("And", [one, en], name="countdown/cond")
             self._cd_kept = []
         return self._cd_cond_name
 
@@ -222,7 +222,11 @@ class CountdownMixin:
         c = sb.mul(sb.mul(gate, sb.node("Sigmoid", [gate])), up, name=name + "/gated")
         return sb.matmul(c, w["down_t"], name=name + ".down_proj")
 
-    def _cd_sparse(self, sb: GraphBuilder, i: int, x2: str, w: dict) -> tuple[str, str]:
+    def _cd_sparse(self, sb: GraphBuilder, i: int, x2: str, w: dict,
+                   single: bool = False) -> tuple[str, str]:
+        """Sparse MLP on ``x2 [T, H]``; ``single``: the graph guarantees ``T == 1`` (the
+        ``If`` decode branch), so the kept rows are the token's own mask and the union /
+        per-token mask multiply are left out (the same result, four nodes fewer)."""
         spec = self.countdown_spec
         name = f"layers.{i}.mlp"
         tau = float(spec.thresholds[i])
@@ -255,9 +259,14 @@ class CountdownMixin:
             score = sb.mul(silu(pg, name + "/pred_act"), pu, name=name + "/pred")
         keep = sb.node("Greater", [sb.node("Abs", [score]), sb.const(tau, self.fdtype)],
                        name=name + "/keep")
-        keepf = sb.cast(keep, self.ftype)                                   # [T, I]
-        anyk = sb.node("ReduceMax", [keepf, sb.const([0])], name=name + "/union", keepdims=0)
-        idx = sb.reshape(sb.node("NonZero", [anyk], name=name + "/idx"), [-1])   # [k]
+        if single:                                                          # [1, I]
+            keepf = None
+            idx = sb.reshape(sb.node("NonZero", [sb.reshape(keep, [-1])], name=name + "/idx"),
+                             [-1])                                          # [k]
+        else:
+            keepf = sb.cast(keep, self.ftype)                               # [T, I]
+            anyk = sb.node("ReduceMax", [keepf, sb.const([0])], name=name + "/union", keepdims=0)
+            idx = sb.reshape(sb.node("NonZero", [anyk], name=name + "/idx"), [-1])   # [k]
         kept = sb.shape(idx, name=name + "/kept")                          # int64 [1]
         gsel = sb.node("Gemm", [x2, self._cd_rows(sb, w["gate_proj"], idx, name + ".gate")],
                        name=name + ".gate_proj_sel", transB=1)
@@ -267,7 +276,9 @@ class CountdownMixin:
             usel = sb.node("Gemm", [x2, self._cd_rows(sb, w["up_proj"], idx, name + ".up")],
                            name=name + ".up_proj_sel", transB=1)
         c = sb.mul(silu(gsel, name + "/act"), usel, name=name + "/coef")
-        c = sb.mul(c, sb.gather(keepf, idx, axis=1, name=name + "/mask_sel"), name=name + "/masked")
+        if keepf is not None:
+            c = sb.mul(c, sb.gather(keepf, idx, axis=1, name=name + "/mask_sel"),
+                       name=name + "/masked")
         y = sb.matmul(c, self._cd_rows(sb, w["down_t"], idx, name + ".down"),
                       name=name + ".down_proj_sel")
         return y, kept
@@ -294,7 +305,7 @@ class CountdownMixin:
         else:
             cond = self._cd_cond()
             tb, eb = _sub_builder(g), _sub_builder(g)
-            ty, tk = self._cd_sparse(tb, i, x2, w)
+            ty, tk = self._cd_sparse(tb, i, x2, w, single=True)
             ey = self._cd_dense(eb, i, x2, w)
             ek = eb.node("Identity", [eb.const([s.intermediate_size])], name=name + "/kept_dense")
             if tb.uses_ms_domain or eb.uses_ms_domain:
@@ -328,7 +339,8 @@ class CountdownMixin:
             "graph_mode": self.countdown_mode,
             "decode_path": "sparse" if self.countdown_mode in ("if", "sparse") else "dense",
             "prefill_path": {"if": "dense", "sparse": "sparse", "dense": "dense"}[self.countdown_mode],
-            "switch": f"If(sequence_length == 1 and {ENABLED_NAME})" if self.countdown_mode == "if"
+            "switch": f"If(batch_size * sequence_length == 1 and {ENABLED_NAME})"
+            if self.countdown_mode == "if"
             else None,
             "enabled_initializer": ENABLED_NAME if self.countdown_mode == "if" else None,
             "kept_output": KEPT_OUTPUT,

@@ -98,7 +98,8 @@ class CountdownSession(Session):
         From the rows kept per layer (graph output ``countdown_kept``): per layer and step
         M reads all ``I`` rows of up plus ``k`` rows of gate and of down^T (plus its ``I``
         channel scales when the export has them); D reads ``k``
-        rows of each plus its predictor (``2 (H r + r I)`` values). Bytes per row follow
+        rows of each plus its predictor (``2 (H r + r I)`` values; none in a layer that
+        reports all ``I`` rows, i.e. the dense branch of a batched decode step). Bytes per row follow
         the export's precision (fp32 ``4H``, fp16 ``2H``, int4 ``H/2`` codes + a
         scale (4 B) and a packed zero point per block).
 
@@ -134,7 +135,8 @@ class CountdownSession(Session):
         else:
             pb = cd.get("predictor_bytes_per_layer")      # q4 predictor: as exported
             pred = float(pb) if pb and not r else 2 * (H * r + r * I) * elem_pred
-            per_step = (3 * k * row + pred).sum(1)
+            # a layer reporting all I rows ran the dense branch (batched decode): no predictor
+            per_step = (3 * k * row + pred * (k < I)).sum(1)
         return {"decode_steps": int(len(k)), "kept_rows_mean": float(k.mean()),
                 "kept_fraction_mean": float(k.mean() / I),
                 "mlp_bytes_read_per_token": float(per_step.mean()),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import onnx
@@ -334,6 +335,12 @@ def test_if_graph_dense_prefill_sparse_decode_and_flag(tmp_path, tiny, specs):
         for _ in range(5):     # prompt positions dense (prefill), later ones filtered
             seq.append(int(_decode_reference(model, spec, seq, len(ids[0])).argmax()))
     assert r.token_ids[0] == seq[len(ids[0]):]
+    # the decode branch is specialised to one token: no union / per-token mask nodes
+    g = onnx.load(os.path.join(res.folder, "model.onnx"), load_external_data=False).graph
+    ifs = [n for n in g.node if n.op_type == "If"]
+    then = [a.g for a in ifs[0].attribute if a.name == "then_branch"][0]
+    assert "NonZero" in {n.op_type for n in then.node}
+    assert not {"ReduceMax", "Cast"} & {n.op_type for n in then.node}
     # flag off: dense decode from the same file == the plain export
     off = runtime.countdown.load(res.folder, threads=1, countdown=False)
     off.eos_token_ids = []
@@ -341,6 +348,12 @@ def test_if_graph_dense_prefill_sparse_decode_and_flag(tmp_path, tiny, specs):
     dense_seq = model.generate(torch.from_numpy(ids), max_new_tokens=6, do_sample=False,
                                eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
     assert r_off.token_ids[0] == dense_seq
+    # batched decode (batch * seq > 1) takes the dense branch: every layer reads all rows,
+    # and the longer row decodes exactly like the dense model
+    rb = s.generate([list(ids[0]), list(ids[0][:7])], max_new_tokens=3)
+    assert len(s.kept_log) == 2 and all((k == 160).all() for k in s.kept_log)
+    assert s.mlp_read_report()["mlp_bytes_fraction"] == 1.0
+    assert rb.token_ids[0] == dense_seq[:3]
     assert off.mlp_read_report()["mlp_bytes_fraction"] == 1.0
     with pytest.raises(RuntimeLoadError, match="COUNTDOWN"):
         from exporters import export_onnx
