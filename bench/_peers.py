@@ -17,6 +17,10 @@ from pathlib import Path
 from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
+# evaluation data the benches read (never the product): ../shared/data, see its SOURCES.md
+SHARED = Path(os.environ.get("EDGEPRUNE_SHARED", ROOT.parent / "shared"))
+C4 = SHARED / "data" / "c4" / "c4_validation_2k.parquet"
+WIKI = SHARED / "data" / "wikitext2" / "wiki.test.raw"
 TORCH_PIN = "torch==2.13.0"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import os
 import sys
 import tempfile
 import time
@@ -37,12 +36,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from _peers import C4, WIKI  # noqa: E402
 
 from _peers import write_json_records  # noqa: E402
 
-SHARED = Path(os.environ.get("EDGEPRUNE_SHARED", ROOT.parent / "shared"))
-C4 = SHARED / "data" / "c4" / "c4_validation_2k.parquet"
-WIKI = SHARED / "data" / "wikitext2" / "wiki.test.raw"
 BEST = ROOT / "edgeprune" / "recipes" / "best-w4.yaml"
 
 

@@ -23,17 +23,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+from _peers import C4, WIKI  # noqa: E402
 
-SHARED = Path(os.environ.get("EDGEPRUNE_SHARED", ROOT.parent / "shared"))
-WIKI = SHARED / "data" / "wikitext2" / "wiki.test.raw"
-C4 = SHARED / "data" / "c4" / "c4_validation_2k.parquet"
 
 
 def main(argv=None) -> int:

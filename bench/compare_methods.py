@@ -50,15 +50,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from _peers import C4, WIKI  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from _peers import ensure_venv, run_peer, write_json_records  # noqa: E402
 
-SHARED = Path(os.environ.get("EDGEPRUNE_SHARED", ROOT.parent / "shared"))
-C4 = SHARED / "data" / "c4" / "c4_validation_2k.parquet"
-WIKI = SHARED / "data" / "wikitext2" / "wiki.test.raw"
 CACHE = ROOT / "bench" / ".cache"
 PEER = "llm-compressor"
 LLMC_PKG = "llmcompressor==0.14.0.1"

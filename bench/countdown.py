@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -45,13 +44,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from _peers import C4, WIKI  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-SHARED = Path(os.environ.get("EDGEPRUNE_SHARED", ROOT.parent / "shared"))
-C4 = SHARED / "data" / "c4" / "c4_validation_2k.parquet"
-WIKI = SHARED / "data" / "wikitext2" / "wiki.test.raw"
 
 
 def log(*a):

@@ -29,20 +29,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+from _peers import C4, WIKI  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-SHARED = Path(os.environ.get("EDGEPRUNE_SHARED", ROOT.parent / "shared"))
-C4 = SHARED / "data" / "c4" / "c4_validation_2k.parquet"
-WIKI = SHARED / "data" / "wikitext2" / "wiki.test.raw"
 
 
 def log(*a):

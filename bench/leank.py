@@ -42,13 +42,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+from _peers import SHARED, WIKI  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-SHARED = Path(os.environ.get("EDGEPRUNE_SHARED", ROOT.parent / "shared"))
-WIKI = SHARED / "data" / "wikitext2" / "wiki.test.raw"
 CACHE = ROOT / "bench" / ".cache" / "leank"
 
 
