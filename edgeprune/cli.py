@@ -64,7 +64,7 @@ def method_options(f):
     """Options shared by ``run`` and ``compress``."""
     opts = [
         click.option("--method", type=click.Choice(METHODS), default=None,
-                     help="Compression method (default for run: the best-w4 preset, GPTQ int4 g64 with 8-bit v_proj)."),
+                     help="Compression method (default for run: the best-w4 preset, GPTQ int4 g64 with 8-bit v_proj and first-layer down_proj)."),
         click.option("--recipe", type=click.Path(dir_okay=False), default=None,
                      help="TOML/YAML recipe file chaining methods, or a preset name such as best-w4 (overrides --method)."),
         click.option("--bits", type=int, default=None, help="Quantization bits: 2, 3, 4 or 8."),
@@ -75,7 +75,8 @@ def method_options(f):
         click.option("--calib", default=None,
                      help="Calibration text: .txt/.jsonl/.parquet file, hf:NAME, or 'self' (text sampled "
                           "from the model), or 'default' (the embedded text) (default: run 'self', compress 'default')."),
-        click.option("--nsamples", type=int, default=None, help="Calibration windows."),
+        click.option("--nsamples", type=int, default=None,
+                     help="Calibration windows (default: run 32, compress 128)."),
         click.option("--seqlen", type=int, default=512, show_default=True, help="Tokens per calibration window."),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--device", default="cpu", show_default=True, help="cpu or cuda."),
@@ -112,7 +113,7 @@ def run_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, cal
 
     pn, pm = _parse_pattern(pattern)
     cfg = RunConfig(model=model, method=method, recipe=recipe, bits=bits, group_size=group_size, sym=sym,
-                    sparsity=sparsity, prune_n=pn, prune_m=pm, calib=calib, nsamples=nsamples or RunConfig.nsamples,
+                    sparsity=sparsity, prune_n=pn, prune_m=pm, calib=calib, nsamples=RunConfig.nsamples if nsamples is None else nsamples,
                     seqlen=seqlen, seed=seed, eval_text=eval_text, eval_nwindows=eval_nwindows,
                     threads=threads, prompt_len=prompt_len, gen_len=gen_len, repeat=repeat, device=device)
     con = _console()
@@ -140,7 +141,7 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
     """Compress MODEL with a method or recipe and save a checkpoint."""
     from . import checkpoint as ckpt
     from .calibration import build_calibration
-    from .engine import compress
+    from .engine import check_recipe, compress
     from .models import load_model
     from .pipeline import RunConfig, build_recipe
 
@@ -148,7 +149,7 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
         raise ConfigError("no compression method given", f"pass --method ({', '.join(METHODS)}) or --recipe FILE")
     pn, pm = _parse_pattern(pattern)
     cfg = RunConfig(model=model, method=method, recipe=recipe, bits=bits, group_size=group_size, sym=sym,
-                    sparsity=sparsity, prune_n=pn, prune_m=pm, calib=calib, nsamples=nsamples or 128,
+                    sparsity=sparsity, prune_n=pn, prune_m=pm, calib=calib, nsamples=128 if nsamples is None else nsamples,
                     seqlen=seqlen, seed=seed)
     rec = build_recipe(cfg)
     rec.validate()
@@ -158,6 +159,7 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
                              "choose another --out, or pass --overwrite to replace it")
     con = _console()
     m, tok, src = load_model(model, return_source=True, device=device)
+    check_recipe(m, rec)                     # shapes vs recipe before calibrating
     cal = build_calibration(tok, calib, nsamples=cfg.nsamples, seqlen=seqlen, seed=seed,
                             model_max_length=getattr(m.config, "max_position_embeddings", None), model=m)
     res = compress(m, rec, cal.input_ids, device=device)
@@ -258,7 +260,8 @@ def _load_any(source: str, threads=None):
 @click.option("--act-sparsity", type=float, default=None,
               help="COUNTDOWN: fraction of MLP coefficients skipped per decode token, in [0, 1).")
 @click.option("--countdown", "countdown_mode", type=click.Choice(["m", "d"]), default="d", show_default=True,
-              help="COUNTDOWN variant: m (threshold up(x)) or d (low-rank predictor).")
+              help="COUNTDOWN variant: m (threshold |up(x)| times a static channel scale; no predictor) "
+                   "or d (predict act(gate(x))*up(x) with a 4-bit copy of gate/up).")
 @click.option("--calib", default=None, help="Calibration text for LeanK/COUNTDOWN (default: embedded text).")
 @click.option("--overwrite", is_flag=True)
 @click.option("--json", "json_path", default=None)

@@ -101,7 +101,7 @@ def check_mode(mode) -> str:
     if m not in MODES:
         raise ConfigError(f"countdown mode {mode!r} is unknown",
                           "use 'm' (M-COUNTDOWN, threshold on |up(x)|) or 'd' "
-                          "(D-COUNTDOWN, low-rank predictor)")
+                          "(D-COUNTDOWN, predictor of the direct coefficient)")
     return m
 
 

@@ -358,6 +358,26 @@ def _plan(recipe: Recipe, methods, prefix: str, blocks) -> list[list[tuple[int, 
     return plan
 
 
+def check_recipe(model: nn.Module, recipe) -> Recipe:
+    """Check a recipe against a model's layers without touching any weight: the recipe's
+    own settings, then every selected layer's shape (e.g. a ``group_size`` that does not
+    divide a layer's input size) and the stage order. Cheap (no forward pass), so
+    callers run it before building calibration data.
+
+    Returns:
+        The recipe as a :class:`~edgeprune.recipe.Recipe`.
+
+    Raises:
+        ConfigError, UnsupportedArchitectureError: as :func:`compress` would, before
+            any weight changes.
+    """
+    recipe = as_recipe(recipe)
+    recipe.validate()
+    prefix, blocks = find_decoder_blocks(model)
+    _plan(recipe, [get_method(c) for c in recipe.stages], prefix, blocks)
+    return recipe
+
+
 def _later_quantizes(recipe: Recipe, si: int, name: str) -> bool:
     return any((c.kind == "quant" or getattr(c, "bits", None)) and c.selects(name)
                for c in recipe.stages[si + 1:])

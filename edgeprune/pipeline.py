@@ -78,6 +78,10 @@ class RunConfig:
         """The method name and its settings, falling back to :data:`DEFAULT_METHOD`."""
         if self.recipe:
             return {}
+        if self.method is None and any(v is not None for v in
+                                       (self.sparsity, self.prune_n, self.prune_m)):
+            raise ConfigError("--sparsity/--pattern need a pruning method",
+                              "add --method sparsegpt, wanda or magnitude")
         method = self.method or DEFAULT_METHOD["method"]
         kw: dict[str, Any] = dict(bits=self.bits, group_size=self.group_size, sym=self.sym,
                                   sparsity=self.sparsity, prune_n=self.prune_n, prune_m=self.prune_m)
@@ -261,7 +265,7 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
 
     from . import checkpoint as ckpt
     from .calibration import build_calibration
-    from .engine import compress
+    from .engine import check_recipe, compress
     from .evaluate import fidelity
     from .models import load_model
 
@@ -285,6 +289,7 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
         dense, tok, src = load_model(cfg.model, return_source=True, device=cfg.device)
         secs["load"] = time.perf_counter() - t
 
+        check_recipe(dense, recipe)          # shapes vs recipe before minutes of calibration
         t = time.perf_counter()
         calib = cfg.calib if cfg.calib is not None else DEFAULT_CALIB
         log(f"[2/6] calibration: {cfg.nsamples} x {cfg.seqlen} tokens from "

@@ -64,8 +64,7 @@ def check_quant_args(bits: int, group_size: int, in_features: Optional[int] = No
         divisors = [g for g in (32, 64, 128, 256) if in_features % g == 0]
         raise ConfigError(
             f"group_size={group_size} does not divide the input size {in_features} of {name}",
-            f"use group_size {' or '.join(map(str, divisors)) or -1}, or pass pad_groups=True "
-            "to quantize a partial last group")
+            f"use group_size {' or '.join(map(str, divisors + [-1]))} (-1 = one group per row)")
     return group_size
 
 

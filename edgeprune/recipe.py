@@ -376,7 +376,11 @@ class Recipe:
         except ConfigError:
             raise
         except Exception as e:  # parse errors of any of the three formats
-            raise ConfigError(f"cannot parse recipe {p}: {e}", "fix the syntax error at the reported line")
+            mark = getattr(e, "problem_mark", None)           # YAML: line/column of the problem
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            msg = " ".join(str(getattr(e, "problem", None) or e).split())   # one line
+            raise ConfigError(f"cannot parse recipe {p}{where}: {msg}",
+                              "fix the syntax error there")
         r = cls.from_dict(data)
         if not r.name:
             r.name = p.stem

@@ -549,7 +549,8 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
         raise RuntimeLoadError(f"{folder} has no model.onnx", "pass the folder written by `edgeprune export`")
     for name, v in (("prompt_len", prompt_len), ("gen_len", gen_len), ("repeat", repeat)):
         if not isinstance(v, (int, np.integer)) or v < 1:
-            raise GenerationError(f"{name} must be a positive integer, got {v!r}", f"pass e.g. --{name.replace('_', '-')} 128")
+            raise GenerationError(f"{name} must be a positive integer, got {v!r}",
+                                  f"pass e.g. --{name.replace('_', '-')} {5 if name == 'repeat' else 128}")
     prof = devices.load_profile(profile_name_or_obj, measure=False)
     try:
         meta = json.loads((folder / "edgeprune.json").read_text())

@@ -70,3 +70,14 @@ def test_run_defaults_to_the_best_w4_preset_and_self_calibration():
     rr = build_recipe(RunConfig(method="rtn"))
     assert [(s.method, s.bits) for s in rr.stages] == [("rtn", 4)]
     assert build_recipe(RunConfig(recipe="best-w4")).to_dict() == r.to_dict()
+
+
+def test_sparsity_settings_without_a_method_are_refused():
+    import pytest
+
+    from edgeprune.errors import ConfigError
+    from edgeprune.pipeline import RunConfig, build_recipe
+    for cfg in (RunConfig(sparsity=0.5), RunConfig(prune_n=2, prune_m=4)):
+        with pytest.raises(ConfigError, match="need a pruning method"):
+            build_recipe(cfg)
+    assert build_recipe(RunConfig(method="wanda", sparsity=0.5)).stages[0].sparsity == 0.5

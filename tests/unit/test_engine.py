@@ -201,6 +201,11 @@ def test_recipe_files_roundtrip(tmp_path):
     bad.write_text("[[stages]\nmethod = 'gptq'\n")
     with pytest.raises(ConfigError, match="cannot parse recipe"):
         Recipe.from_file(bad)
+    yml = tmp_path / "bad.yaml"
+    yml.write_text("stages: [\n")
+    with pytest.raises(ConfigError, match=r"at line 2, column 1: expected the node content") as ei:
+        Recipe.from_file(yml)
+    assert "\n" not in str(ei.value)                  # one line, as the CLI prints it
     with pytest.raises(ConfigError, match="does not exist"):
         Recipe.from_file(tmp_path / "missing.toml")
 

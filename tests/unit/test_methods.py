@@ -419,8 +419,14 @@ def test_prune_m_not_dividing_input_raises_before_any_change(tiny_llama):
     before = {n: m.weight.clone() for n, m in _linears(tiny_llama).items()}
     with pytest.raises(ConfigError, match="not divisible by prune_m=5"):
         compress(tiny_llama, WandaConfig(prune_n=2, prune_m=5), _calib(), progress=False)
-    with pytest.raises(ConfigError, match="group_size=64 does not divide the input size 160"):
+    with pytest.raises(ConfigError, match="group_size=64 does not divide the input size 160") as ei:
         compress(tiny_llama, GPTQConfig(group_size=64), _calib(), progress=False)
+    assert "use group_size 32 or -1" in str(ei.value)       # a fix the CLI can apply
+    # the same check without calibration data (what `run`/`compress` do before calibrating)
+    from edgeprune.engine import check_recipe
+    with pytest.raises(ConfigError, match="group_size=64 does not divide the input size 160"):
+        check_recipe(tiny_llama, GPTQConfig(group_size=64))
+    assert check_recipe(tiny_llama, GPTQConfig(group_size=32)).stages[0].group_size == 32
     for n, m in _linears(tiny_llama).items():
         assert torch.equal(m.weight, before[n])
 
