@@ -426,7 +426,19 @@ def devices_cmd(json_path):
 
 
 def main(argv=None) -> int:
-    """Console entry point: runs the click group, turning edgeprune errors into one line."""
+    """Console entry point: runs the click group, turning edgeprune errors into one line.
+
+    SIGTERM (``kill``, ``timeout``) is turned into the same clean stop as Ctrl-C, so the
+    temporary output folders are removed on the way out."""
+    import signal
+
+    def _term(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        prev = signal.signal(signal.SIGTERM, _term)
+    except ValueError:                       # not the main thread (embedded use): leave it
+        prev = None
     try:
         cli.main(args=argv, prog_name="edgeprune", standalone_mode=False)
         return 0
@@ -448,6 +460,9 @@ def main(argv=None) -> int:
         click.echo(f"internal error: {type(exc).__name__}: {exc} (set EDGEPRUNE_DEBUG=1 for the traceback "
                    "and report it)", err=True)
         return 1
+    finally:
+        if prev is not None:
+            signal.signal(signal.SIGTERM, prev)
 
 
 if __name__ == "__main__":  # pragma: no cover
