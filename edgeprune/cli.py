@@ -60,6 +60,18 @@ def _table(title: str, columns: list[str], rows: list[list[Any]]):
     return t
 
 
+def _parse_levels(items) -> dict:
+    """``("down_proj=0", ...)`` -> ``{"down_proj": 0}``; raises ConfigError on a bad item."""
+    out = {}
+    for it in items or ():
+        k, sep, v = str(it).partition("=")
+        if not sep or not k or not v.strip().isdigit():
+            raise ConfigError(f"--accuracy-level-for {it!r} is not SUFFIX=LEVEL",
+                              "pass e.g. --accuracy-level-for down_proj=0")
+        out[k.strip()] = int(v)
+    return out
+
+
 def method_options(f):
     """Options shared by ``run`` and ``compress``."""
     opts = [
@@ -247,7 +259,10 @@ def _load_any(source: str, threads=None):
 @click.option("--graph", type=click.Choice(["fused", "plain"]), default="fused", show_default=True)
 @click.option("--lm-head", type=click.Choice(["fp", "q8", "int4"]), default=None,
               help="lm_head precision (default q8 for int4 exports).")
-@click.option("--accuracy-level", type=int, default=4, show_default=True)
+@click.option("--accuracy-level", type=int, default=4, show_default=True,
+              help="MatMulNBits compute: 4 = int8 activations (fast), 0 = fp32.")
+@click.option("--accuracy-level-for", "accuracy_levels", multiple=True, metavar="SUFFIX=LEVEL",
+              help="Per-layer override, e.g. down_proj=0 (repeatable).")
 @click.option("--group-size", type=int, default=64, show_default=True,
               help="RTN group size for weights quantized at export (no codes in the checkpoint).")
 @click.option("--max-length", type=int, default=None)
@@ -266,7 +281,7 @@ def _load_any(source: str, threads=None):
 @click.option("--overwrite", is_flag=True)
 @click.option("--json", "json_path", default=None)
 def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head, accuracy_level,
-               group_size, max_length, k_keep, leank_mask, leank_method, leank_sink, leank_window,
+               accuracy_levels, group_size, max_length, k_keep, leank_mask, leank_method, leank_sink, leank_window,
                act_sparsity, countdown_mode, calib, overwrite, json_path):
     """Export CHECKPOINT (checkpoint, HF folder, .gguf or alias) to an ONNX folder OUT.
 
@@ -291,6 +306,7 @@ def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head
     precision = precision or ("int4" if quantized else "fp32")
     kwargs = dict(precision=precision, quantized=quantized, sparsity=sparsity, sparse_24=sparse_24,
                   compact_24=compact_24, graph=graph, lm_head=lm_head, accuracy_level=accuracy_level,
+                  accuracy_levels=_parse_levels(accuracy_levels),
                   group_size=group_size, max_length=max_length, provenance=prov, overwrite=overwrite)
     if k_keep is not None and act_sparsity is not None:
         raise ConfigError("--k-keep and --act-sparsity cannot be combined in one export yet",

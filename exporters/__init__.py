@@ -85,7 +85,8 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
                 quantized: Optional[dict] = None, masks: Optional[dict] = None,
                 sparsity: Optional[dict] = None, sparse_24: bool = False,
                 compact_24: bool = False, graph: str = "fused", lm_head: Optional[str] = None,
-                accuracy_level: int = 4, group_size: int = 32, max_length: Optional[int] = None,
+                accuracy_level: int = 4, accuracy_levels: Optional[dict] = None,
+                group_size: int = 32, max_length: Optional[int] = None,
                 provenance: Optional[dict] = None, overwrite: bool = False,
                 validate: bool = True, external_data: Optional[bool] = None,
                 parity_tokens: int = 64, leank=None, leank_sink: Optional[int] = None,
@@ -111,6 +112,10 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
         lm_head: ``q8`` (default for int4 exports) | ``fp`` (default otherwise) | ``int4``.
         accuracy_level: ``MatMulNBits`` compute type (4 = int8 activations, fastest on CPU;
             0 = fp32 compute).
+        accuracy_levels: per-linear overrides ``{name suffix: level}``, e.g.
+            ``{"down_proj": 0}``: on SmolLM2-135M the int8 activations of ``down_proj``
+            (SiLU(gate)*up, with outliers) carry most of level 4's perplexity cost; see the
+            README for the measured trade-off.
         group_size: RTN group size for linears quantized here.
         max_length: context length the rotary caches cover (default: the config's
             ``max_position_embeddings``, capped at 8192).
@@ -143,7 +148,13 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
         raise ExportError(f"lm_head='{lm_head}' is unknown", "use fp, q8 or int4")
     if compact_24 and not sparse_24:
         sparse_24 = True
-    if lm_head == "q8" and accuracy_level < 4 and graph == "fused":
+    accuracy_levels = {str(k): int(v) for k, v in (accuracy_levels or {}).items()}
+    for k, v in accuracy_levels.items():
+        if v not in (0, 1, 2, 3, 4) or not k:
+            raise ExportError(f"accuracy level override {k!r}={v} is invalid",
+                              "use a layer-name suffix and a level 0-4, e.g. down_proj=0")
+    if lm_head == "q8" and min([accuracy_level] + [v for k, v in accuracy_levels.items()
+                                                   if "lm_head".endswith(k)]) < 4 and graph == "fused":
         import warnings
         warnings.warn("an 8-bit lm_head with accuracy_level < 4 decodes very slowly in "
                       "onnxruntime 1.32 (no fp32-compute 8-bit MatMulNBits kernel, measured "
@@ -154,7 +165,8 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
     if max_length is None:
         max_length = min(spec.max_position_embeddings, 8192)
     opts = BuildOptions(precision=precision, graph=graph, lm_head=lm_head,
-                        accuracy_level=accuracy_level, max_length=int(max_length),
+                        accuracy_level=accuracy_level, accuracy_levels=accuracy_levels,
+                        max_length=int(max_length),
                         group_size=group_size, quantized=quantized, compact_24=compact_24)
     sparse_info = None
     if sparse_24:
@@ -208,7 +220,8 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
             "sym": sorted({bool(getattr(q, "sym", False)) for q in quantized.values()})
             if quantized else False,
             "source": "checkpoint codes" if quantized else f"rtn asym g{group_size}",
-            "accuracy_level": accuracy_level, "lm_head": builder.quant_summary.get("lm_head"),
+            "accuracy_level": accuracy_level, "accuracy_levels": accuracy_levels or None,
+            "lm_head": builder.quant_summary.get("lm_head"),
             "layers": len(ints),
         },
         "lm_head": lm_head,

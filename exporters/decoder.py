@@ -115,6 +115,8 @@ class BuildOptions:
     graph: str = "fused"               # fused | plain
     lm_head: str = "fp"                # fp | q8 | int4
     accuracy_level: int = 4
+    # per-linear overrides: {"down_proj": 0} = MatMulNBits nodes whose name ends with it
+    accuracy_levels: dict = field(default_factory=dict)
     max_length: int = 2048
     group_size: int = 32               # RTN group size when int4 without `quantized`
     quantized: dict = field(default_factory=dict)
@@ -276,6 +278,14 @@ class DecoderBuilder:
             self._perm_cache[key] = self.g.gather(x, idx, axis=-1, name="act_order")
         return self._perm_cache[key]
 
+    def _accuracy_level(self, name: str) -> int:
+        """``MatMulNBits`` accuracy level of the node ``name`` (``opts.accuracy_levels``
+        suffix overrides, else ``opts.accuracy_level``)."""
+        for suffix, lvl in (self.opts.accuracy_levels or {}).items():
+            if name.endswith(suffix):
+                return int(lvl)
+        return self.opts.accuracy_level
+
     def _int_matmul(self, x: str, w: IntWeight, name: str) -> str:
         g = self.g
         if w.perm is not None:
@@ -287,7 +297,7 @@ class DecoderBuilder:
                            g.initializer(name + ".scales", sc.astype(self.fdtype)),
                            g.initializer(name + ".qzeros", zp)],
                           name=name, domain=MS_DOMAIN, K=w.K, N=w.N, bits=w.bits,
-                          block_size=w.block_size, accuracy_level=self.opts.accuracy_level)
+                          block_size=w.block_size, accuracy_level=self._accuracy_level(name))
         return g.matmul(x, self._dequant_linear(w, name), name=name)
 
     def _dequant_linear(self, w: IntWeight, name: str) -> str:
@@ -543,7 +553,7 @@ class DecoderBuilder:
                 qB, qs, qz = self._head_tensors
                 logits = g.node("MatMulNBits", [h, qB, qs, qz], name="lm_head", domain=MS_DOMAIN,
                                 K=w.K, N=w.N, bits=w.bits, block_size=w.block_size,
-                                accuracy_level=self.opts.accuracy_level)
+                                accuracy_level=self._accuracy_level("lm_head"))
             else:
                 logits = self._int_matmul(h, self._head_int, "lm_head")
             self.quant_summary["lm_head"] = f"int{self._head_int.bits} block {self._head_int.block_size}"

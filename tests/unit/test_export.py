@@ -113,6 +113,36 @@ def test_int4_checkpoint_codes_parity(arch, graph, tok, tmp_path, request):
     assert np.abs(got - ref).max() < 0.2
 
 
+def test_per_layer_accuracy_level(tiny_llama, tok, tmp_path):
+    """accuracy_levels={"down_proj": 0}: only the down_proj MatMulNBits compute in fp32,
+    recorded in the metadata; that layer's output then matches the fake-quantized torch
+    model more closely than with int8 activations everywhere; a bad override is refused."""
+    model = tiny_llama
+    qmap = _rtn_map(model)
+    _fake_quant(model, qmap)
+    ids = rand_ids(48, seed=9)
+    ref = _torch_logits(model, ids)
+    res = _export(model, tok, tmp_path / "mix", precision="int4", quantized=qmap, lm_head="fp",
+                  accuracy_level=4, accuracy_levels={"down_proj": 0})
+    assert res.metadata["quantization"]["accuracy_levels"] == {"down_proj": 0}
+    nodes = [n for n in onnx.load(str(tmp_path / "mix" / "model.onnx")).graph.node
+             if n.op_type == "MatMulNBits"]
+    lv = {n.name.split("/")[0]: {a.name: a.i for a in n.attribute}["accuracy_level"]
+          for n in nodes}
+    assert {k: v for k, v in lv.items() if k.endswith("down_proj")} and \
+        all(v == (0 if k.endswith("down_proj") else 4) for k, v in lv.items())
+    with runtime.load(tmp_path / "mix") as s:
+        mixed = np.abs(s.logits(ids) - ref).max()
+    _export(model, tok, tmp_path / "a4", precision="int4", quantized=qmap, lm_head="fp",
+            accuracy_level=4)
+    with runtime.load(tmp_path / "a4") as s:
+        all4 = np.abs(s.logits(ids) - ref).max()
+    assert mixed < all4
+    with pytest.raises(ExportError, match="accuracy level override"):
+        _export(model, tok, tmp_path / "bad", precision="int4", accuracy_levels={"down_proj": 7})
+    assert not (tmp_path / "bad").exists()
+
+
 def test_int4_padded_block_layer(tiny_llama, tok, tmp_path):
     """group_size 64 on down_proj (in = 160, not a multiple of 64): K padded, still exact."""
     model = tiny_llama
