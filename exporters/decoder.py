@@ -252,7 +252,19 @@ class DecoderBuilder:
             W = np.concatenate([self.param(m + ".weight") for m in module_names], 0)
             out = self._float_matmul(x, W, name, module_names)
         else:
-            outs = [self.linear(x, [m], f"{name}_{m.split('.')[-1]}") for m in module_names]
+            # mixed parts (e.g. best-w4's 8-bit v_proj beside 4-bit q/k): fuse each maximal
+            # run of neighbours that can share one node, concatenate the runs
+            runs = [[0]]
+            for j in range(1, len(module_names)):
+                prev = [ints[k] for k in runs[-1]]
+                if (ints[j] is None) == (prev[0] is None) and \
+                        (ints[j] is None or can_fuse(prev + [ints[j]])):
+                    runs[-1].append(j)
+                else:
+                    runs.append([j])
+            outs = [self.linear(x, [module_names[k] for k in r],
+                                f"{name}_" + "_".join(module_names[k].split(".")[-1] for k in r))
+                    for r in runs]
             return self.g.concat(outs, axis=-1, name=name + "/concat")
         if bias:
             out = self._add_bias(out, module_names, name)

@@ -143,6 +143,28 @@ def test_per_layer_accuracy_level(tiny_llama, tok, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
+def test_mixed_bits_qkv_fuses_the_runs_it_can(arch, tok, tmp_path, request):
+    """best-w4-style codes (8-bit v_proj, 4-bit q/k): q and k share one MatMulNBits, v gets
+    its own, and the export still equals the fake-quantized model (qwen2: with biases)."""
+    from edgeprune.quantize import rtn_quantize
+    model = request.getfixturevalue(arch)
+    qmap = _rtn_map(model)
+    for n, m in model.named_modules():
+        if n.endswith("v_proj"):
+            qmap[n] = rtn_quantize(m.weight.detach(), 8, 32, False)
+    _fake_quant(model, qmap)
+    ids = rand_ids(40, seed=11)
+    _export(model, tok, tmp_path / "m", precision="int4", quantized=qmap, accuracy_level=0,
+            lm_head="fp")
+    with runtime.load(tmp_path / "m") as s:
+        np.testing.assert_allclose(s.logits(ids), _torch_logits(model, ids), atol=1e-4)
+    names = [n.name.split("/")[0] for n in onnx.load(str(tmp_path / "m" / "model.onnx")).graph.node
+             if n.op_type == "MatMulNBits" and n.name.startswith("layers.0.attn")]
+    assert names == ["layers.0.attn.qkv_proj_q_proj_k_proj", "layers.0.attn.qkv_proj_v_proj",
+                     "layers.0.attn.o_proj"]
+
+
 def test_int4_padded_block_layer(tiny_llama, tok, tmp_path):
     """group_size 64 on down_proj (in = 160, not a multiple of 64): K padded, still exact."""
     model = tiny_llama
