@@ -371,11 +371,17 @@ def check_recipe(model: nn.Module, recipe) -> Recipe:
         ConfigError, UnsupportedArchitectureError: as :func:`compress` would, before
             any weight changes.
     """
+    return _checked_plan(model, recipe)[0]
+
+
+def _checked_plan(model: nn.Module, recipe):
+    """``(recipe, prefix, blocks, methods, plan)`` after every check :func:`compress` makes
+    before touching a weight (shared by :func:`check_recipe` and :func:`compress`)."""
     recipe = as_recipe(recipe)
     recipe.validate()
     prefix, blocks = find_decoder_blocks(model)
-    _plan(recipe, [get_method(c) for c in recipe.stages], prefix, blocks)
-    return recipe
+    methods = [get_method(c) for c in recipe.stages]
+    return recipe, prefix, blocks, methods, _plan(recipe, methods, prefix, blocks)
 
 
 def _later_quantizes(recipe: Recipe, si: int, name: str) -> bool:
@@ -440,8 +446,7 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
     fallback is listed in ``result.fallbacks``; weights are never left non-finite.
     """
     t0 = time.perf_counter()
-    recipe = as_recipe(recipe)
-    recipe.validate()
+    recipe, prefix, blocks, methods, plan = _checked_plan(model, recipe)
     if not isinstance(calib_ids, torch.Tensor) or calib_ids.dim() != 2 or calib_ids.numel() == 0:
         raise CalibrationError(
             f"calibration ids must be a non-empty [nsamples, seqlen] tensor, got "
@@ -459,9 +464,6 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
     if batch_size < 1:
         raise ConfigError(f"batch_size={batch_size} must be >= 1", "use e.g. 8")
     device = torch.device(device)
-    prefix, blocks = find_decoder_blocks(model)
-    methods = [get_method(c) for c in recipe.stages]
-    plan = _plan(recipe, methods, prefix, blocks)
 
     result = CompressionResult(recipe=recipe.to_dict(),
                                calibration={"nsamples": int(calib_ids.shape[0]),

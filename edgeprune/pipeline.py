@@ -44,6 +44,8 @@ DEFAULT_RECIPE = "best-w4"
 #: the best-w4 recipe (WikiText-2, 40 x 512, PyTorch): self 32 x 512 -> 32.06, embedded
 #: documentation text 64 x 512 -> 35.94, C4 32 x 512 -> 32.14 (dense 28.74).
 DEFAULT_CALIB = "self"
+#: RunConfig fields that are settings of one method (any of them set -> no preset).
+METHOD_SETTINGS = ("bits", "group_size", "sym", "sparsity", "prune_n", "prune_m")
 DEFAULT_PROMPT = "Explain in two sentences why small language models are useful on phones."
 
 
@@ -83,8 +85,7 @@ class RunConfig:
             raise ConfigError("--sparsity/--pattern need a pruning method",
                               "add --method sparsegpt, wanda or magnitude")
         method = self.method or DEFAULT_METHOD["method"]
-        kw: dict[str, Any] = dict(bits=self.bits, group_size=self.group_size, sym=self.sym,
-                                  sparsity=self.sparsity, prune_n=self.prune_n, prune_m=self.prune_m)
+        kw: dict[str, Any] = {k: getattr(self, k) for k in METHOD_SETTINGS}
         if self.method is None:
             for k, v in DEFAULT_METHOD.items():
                 if k != "method" and kw.get(k) is None:
@@ -132,8 +133,7 @@ def build_recipe(cfg: RunConfig):
 
     if cfg.recipe:
         return Recipe.from_file(resolve_recipe(cfg.recipe))
-    if cfg.method is None and all(getattr(cfg, k) is None for k in
-                                  ("bits", "group_size", "sym", "sparsity", "prune_n", "prune_m")):
+    if cfg.method is None and all(getattr(cfg, k) is None for k in METHOD_SETTINGS):
         return Recipe.from_file(resolve_recipe(DEFAULT_RECIPE))
     ms = cfg.method_settings()
     name = ms.pop("method")

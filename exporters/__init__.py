@@ -22,7 +22,7 @@ import onnx
 
 from runtime.errors import ExportError
 
-from .decoder import BUILDERS, BuildOptions, DecoderSpec
+from .decoder import BUILDERS, BuildOptions, DecoderSpec, accuracy_level_for
 from .folder import (atomic_folder, check_disk, check_out_dir, save_external, save_tokenizer,
                      write_json)
 
@@ -153,8 +153,8 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
         if v not in (0, 1, 2, 3, 4) or not k:
             raise ExportError(f"accuracy level override {k!r}={v} is invalid",
                               "use a layer-name suffix and a level 0-4, e.g. down_proj=0")
-    if lm_head == "q8" and min([accuracy_level] + [v for k, v in accuracy_levels.items()
-                                                   if "lm_head".endswith(k)]) < 4 and graph == "fused":
+    if lm_head == "q8" and graph == "fused" and \
+            accuracy_level_for("lm_head", accuracy_level, accuracy_levels) < 4:
         import warnings
         warnings.warn("an 8-bit lm_head with accuracy_level < 4 decodes very slowly in "
                       "onnxruntime 1.32 (no fp32-compute 8-bit MatMulNBits kernel, measured "

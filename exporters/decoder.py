@@ -107,6 +107,15 @@ class DecoderSpec:
                    rope_scaling=dict(rp) if rp else None)
 
 
+def accuracy_level_for(name: str, default: int, overrides: Optional[dict]) -> int:
+    """``MatMulNBits`` accuracy level of the node ``name``: the first ``overrides``
+    suffix it ends with (``{"down_proj": 0}``), else ``default``."""
+    for suffix, lvl in (overrides or {}).items():
+        if name.endswith(suffix):
+            return int(lvl)
+    return default
+
+
 @dataclass
 class BuildOptions:
     """What the builder makes (see ``exporters.export_onnx`` for the meaning)."""
@@ -291,12 +300,8 @@ class DecoderBuilder:
         return self._perm_cache[key]
 
     def _accuracy_level(self, name: str) -> int:
-        """``MatMulNBits`` accuracy level of the node ``name`` (``opts.accuracy_levels``
-        suffix overrides, else ``opts.accuracy_level``)."""
-        for suffix, lvl in (self.opts.accuracy_levels or {}).items():
-            if name.endswith(suffix):
-                return int(lvl)
-        return self.opts.accuracy_level
+        """:func:`accuracy_level_for` with this build's options."""
+        return accuracy_level_for(name, self.opts.accuracy_level, self.opts.accuracy_levels)
 
     def _int_matmul(self, x: str, w: IntWeight, name: str) -> str:
         g = self.g
