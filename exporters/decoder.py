@@ -36,7 +36,8 @@ from onnx import TensorProto
 from runtime.errors import ExportError, UnsupportedArchitectureError
 
 from .graph import MS_DOMAIN, GraphBuilder, onnx_dtype
-from .int4 import IntWeight, can_fuse, concat_n, from_quantized, pack_matmulnbits, rtn_int
+from .int4 import (IntWeight, can_fuse, concat_n, default_zero_points, from_quantized,
+                   pack_matmulnbits, rtn_int)
 
 
 def _t2np(t) -> np.ndarray:
@@ -309,10 +310,11 @@ class DecoderBuilder:
             x = self._permuted(x, w.perm)
         if self.fused:
             B, sc, zp = pack_matmulnbits(w)
-            return g.node("MatMulNBits",
-                          [x, g.initializer(name + ".qweight", B),
-                           g.initializer(name + ".scales", sc.astype(self.fdtype)),
-                           g.initializer(name + ".qzeros", zp)],
+            ins = [x, g.initializer(name + ".qweight", B),
+                   g.initializer(name + ".scales", sc.astype(self.fdtype))]
+            if not default_zero_points(w):     # symmetric grids use the op's default
+                ins.append(g.initializer(name + ".qzeros", zp))
+            return g.node("MatMulNBits", ins,
                           name=name, domain=MS_DOMAIN, K=w.K, N=w.N, bits=w.bits,
                           block_size=w.block_size, accuracy_level=self._accuracy_level(name))
         return g.matmul(x, self._dequant_linear(w, name), name=name)
@@ -568,7 +570,8 @@ class DecoderBuilder:
             if self._head_tensors is not None:
                 w = self._head_int
                 qB, qs, qz = self._head_tensors
-                logits = g.node("MatMulNBits", [h, qB, qs, qz], name="lm_head", domain=MS_DOMAIN,
+                ins = [h, qB, qs] + ([] if default_zero_points(w) else [qz])
+                logits = g.node("MatMulNBits", ins, name="lm_head", domain=MS_DOMAIN,
                                 K=w.K, N=w.N, bits=w.bits, block_size=w.block_size,
                                 accuracy_level=self._accuracy_level("lm_head"))
             else:

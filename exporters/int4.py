@@ -196,6 +196,15 @@ def pack_matmulnbits(w: IntWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.ascontiguousarray(B), w.scales.reshape(-1).astype(np.float32), np.ascontiguousarray(zp)
 
 
+def default_zero_points(w: IntWeight) -> bool:
+    """True when every zero point is ``2**(bits-1)``, ``MatMulNBits``' default when its
+    ``zero_points`` input is absent (a symmetric grid): the exporter then leaves that
+    input out, which is the same dequantization, reads fewer bytes and lets ONNX Runtime
+    take its symmetric kernels (on AVX2 they decode a 4-bit SmolLM2-135M ~5-10% faster
+    than the same codes with explicit zero points; see the README)."""
+    return bool(w.zeros.size) and bool((w.zeros == 2 ** (w.bits - 1)).all())
+
+
 def concat_n(parts: list[IntWeight]) -> IntWeight:
     """Stack weights with the same K/bits/block/perm along N (fused QKV, gate/up)."""
     p0 = parts[0]
@@ -218,4 +227,5 @@ def can_fuse(parts: list[IntWeight]) -> bool:
     return True
 
 
-__all__ = ["IntWeight", "from_quantized", "rtn_int", "pack_matmulnbits", "concat_n", "can_fuse"]
+__all__ = ["IntWeight", "from_quantized", "rtn_int", "pack_matmulnbits", "concat_n", "can_fuse",
+           "default_zero_points"]

@@ -113,6 +113,33 @@ def test_int4_checkpoint_codes_parity(arch, graph, tok, tmp_path, request):
     assert np.abs(got - ref).max() < 0.2
 
 
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
+def test_symmetric_codes_export_without_zero_points(arch, tok, tmp_path, request):
+    """Symmetric grids (every zero point 2**(bits-1), MatMulNBits' default) are written
+    without the zero_points input, 4-bit and 8-bit alike, and still equal the
+    fake-quantized model exactly; an asymmetric layer keeps its zero points."""
+    from edgeprune.quantize import rtn_quantize
+    model = request.getfixturevalue(arch)
+    qmap = _rtn_map(model, sym=True)
+    for n, m in model.named_modules():
+        if n.endswith("v_proj"):
+            qmap[n] = rtn_quantize(m.weight.detach(), 8, 32, True)
+        if n.endswith("layers.0.mlp.down_proj"):
+            qmap[n] = rtn_quantize(m.weight.detach(), 4, 32, False)
+    _fake_quant(model, qmap)
+    ids = rand_ids(40, seed=13)
+    _export(model, tok, tmp_path / "m", precision="int4", quantized=qmap, accuracy_level=0,
+            lm_head="fp")
+    with runtime.load(tmp_path / "m") as s:
+        np.testing.assert_allclose(s.logits(ids), _torch_logits(model, ids), atol=1e-4)
+    nodes = {n.name.split("/")[0]: len(n.input)
+             for n in onnx.load(str(tmp_path / "m" / "model.onnx")).graph.node
+             if n.op_type == "MatMulNBits"}
+    assert nodes["layers.0.mlp.down_proj"] == 4                   # asym: zero points kept
+    assert nodes["layers.0.attn.qkv_proj_v_proj"] == 3            # 8-bit sym
+    assert all(v == 3 for k, v in nodes.items() if k != "layers.0.mlp.down_proj")
+
+
 def test_per_layer_accuracy_level(tiny_llama, tok, tmp_path):
     """accuracy_levels={"down_proj": 0}: only the down_proj MatMulNBits compute in fp32,
     recorded in the metadata; that layer's output then matches the fake-quantized torch
