@@ -591,9 +591,14 @@ def _drop_mapped_weight_pages(folder: Path) -> int:
     only the initializers that are not pre-packed are read, and sparsely: the embedding
     table (shared with the quantized ``lm_head``) is read one row per token.
     ``madvise(MADV_DONTNEED)`` hands those pages back to the page cache; a later read
-    faults the page in again from the file. Only mappings without a single private
-    (written, copy-on-write) page are advised, so no data can be lost. llama.cpp's mmap'd
-    weights keep the same kind of footprint: only the pages in use are resident.
+    faults the page in again from the file. Only mappings without a single
+    copy-on-write page (``Anonymous: 0`` in ``/proc/self/smaps``: nothing this process
+    wrote) are advised, so no data can be lost. ``Private_Dirty`` alone is not such a
+    page: a file written moments ago (a fresh export, a copy) still has dirty page-cache
+    pages, which ``smaps`` counts as dirty in every mapping of them; skipping those
+    mappings left ~25 MiB more resident (peak RSS 240 vs 215 MiB for SmolLM2-135M int4).
+    llama.cpp's mmap'd weights keep the same kind of footprint: only the pages in use
+    are resident.
 
     Returns:
         Bytes of mappings advised (0 where unsupported: not Linux, no mapping).
@@ -614,7 +619,7 @@ def _drop_mapped_weight_pages(folder: Path) -> int:
                         a, b = (int(x, 16) for x in head[0].split("-"))
                         cur = {"range": (a, b), "private": 0}
                         maps.append(cur)
-                elif cur is not None and line.startswith(("Private_Dirty:", "Anonymous:")):
+                elif cur is not None and line.startswith("Anonymous:"):
                     cur["private"] += int(line.split()[1])
         done = 0
         for m in maps:
