@@ -5,6 +5,9 @@ Usage: ``python _rss_worker.py FOLDER MODE N`` with MODE
 * ``peak``: greedy generation of ``N`` new tokens (EOS ignored) after a 128-token
   prompt; prints JSON ``{"vm_hwm", "kv_bytes"}`` (peak resident set of this process
   from ``/proc/self/status`` ``VmHWM``, bytes; KV bytes held at the final length).
+* ``embed``: a prompt of 128 token ids spread evenly over the vocabulary, ``N`` new
+  tokens; prints JSON ``{"weights_rss"}``: bytes of the weight file's mappings still
+  resident (the embedding rows read through the memory map).
 * ``long``: ``N`` new tokens in one run with the sliding-window context policy, RSS
   sampled every 20 ms by a thread; prints JSON ``{"samples": [[t_s, rss_bytes], ...],
   "seconds", "tokens"}``.
@@ -38,6 +41,19 @@ def main() -> None:
     sess = runtime.load(folder, threads=2, context_policy=policy)
     sess.eos_token_ids = []                      # generate exactly n tokens
     prompt = list(range(1000, 1128))             # 128 tokens
+    if mode == "embed":
+        import os
+        step = sess.vocab_size // 128
+        sess.generate(list(range(0, 128 * step, step)), max_new_tokens=n)
+        root, cur, rss = os.path.realpath(folder) + os.sep, False, 0
+        for line in open("/proc/self/smaps"):
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" in head[3]:
+                cur = len(head) > 5 and head[5].startswith(root)
+            elif cur and line.startswith("Rss:"):
+                rss += int(head[1]) * 1024
+        print(json.dumps({"weights_rss": rss}))
+        return
     if mode == "peak":
         r = sess.generate(prompt, max_new_tokens=n)
         assert len(r.token_ids[0]) == n, len(r.token_ids[0])

@@ -115,9 +115,9 @@ def test_int4_checkpoint_codes_parity(arch, graph, tok, tmp_path, request):
 
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
 def test_symmetric_codes_export_without_zero_points(arch, tok, tmp_path, request):
-    """Symmetric 4-bit grids (every zero point 8, MatMulNBits' default) are written
-    without the zero_points input and still equal the fake-quantized model exactly; an
-    asymmetric layer and an 8-bit symmetric one keep their zero points."""
+    """Symmetric grids (every zero point 2**(bits-1), MatMulNBits' default) are written
+    without the zero_points input, 4-bit and 8-bit alike, and still equal the
+    fake-quantized model exactly; an asymmetric layer keeps its zero points."""
     from edgeprune.quantize import rtn_quantize
     model = request.getfixturevalue(arch)
     qmap = _rtn_map(model, sym=True)
@@ -136,9 +136,8 @@ def test_symmetric_codes_export_without_zero_points(arch, tok, tmp_path, request
              for n in onnx.load(str(tmp_path / "m" / "model.onnx")).graph.node
              if n.op_type == "MatMulNBits"}
     assert nodes["layers.0.mlp.down_proj"] == 4                   # asym: zero points kept
-    assert nodes["layers.0.attn.qkv_proj_v_proj"] == 4            # 8-bit sym: kept
-    assert all(v == 3 for k, v in nodes.items() if not k.endswith(("layers.0.mlp.down_proj",
-                                                                    "v_proj")))
+    assert nodes["layers.0.attn.qkv_proj_v_proj"] == 3            # 8-bit sym
+    assert all(v == 3 for k, v in nodes.items() if k != "layers.0.mlp.down_proj")
 
 
 def test_per_layer_accuracy_level(tiny_llama, tok, tmp_path):
@@ -279,6 +278,11 @@ def test_int4_lm_head_modes_and_tied_sharing(tok, tmp_path):
     m = onnx.load(str(tmp_path / "q8" / "model.onnx"))
     names = [i.name for i in m.graph.initializer]
     assert "model.embed_tokens.weight" not in names and "lm_head.qweight" in names
+    # the q8 head is symmetric: no zero points stored or read, by the head or the gather
+    assert "lm_head.qzeros" not in names
+    head = [n for n in m.graph.node
+            if n.op_type == "MatMulNBits" and n.name.split("/")[0] == "lm_head"]
+    assert len(head) == 1 and len(head[0].input) == 3
     assert r8.parity["max_abs_logit_diff"] < 1e-3
     r4 = _export(model, tok, tmp_path / "i4", precision="int4", lm_head="int4", accuracy_level=0)
     assert r4.metadata["quantization"]["lm_head"] == "int4 block 32"
