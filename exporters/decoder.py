@@ -418,16 +418,10 @@ class DecoderBuilder:
         scales = g.reshape(qs, [s.vocab_size, nb, 1])
         sc = g.gather(scales, "input_ids", name="embed_tokens/scales")      # [B,S,nb,1]
         if qz is None:                      # symmetric grid: one zero point for all
-            zfull = None
-        elif w.bits == 4:
-            zfull = np.ascontiguousarray(w.zeros.astype(self.fdtype)[..., None])
-        else:
-            zfull = None
-        if qz is None:
             zz = g.const(2 ** (w.bits - 1), self.fdtype)
-        elif zfull is not None:
-            zt = g.initializer("embed_tokens.zeros", zfull)
-            zz = g.gather(zt, "input_ids")
+        elif w.bits == 4:                   # packed 4-bit zero points: gather float copies
+            zfull = np.ascontiguousarray(w.zeros.astype(self.fdtype)[..., None])
+            zz = g.gather(g.initializer("embed_tokens.zeros", zfull), "input_ids")
         else:
             zz = g.cast(g.unsqueeze(g.gather(g.reshape(qz, [s.vocab_size, nb]), "input_ids"),
                                     [-1]), self.ftype)
