@@ -1,0 +1,193 @@
+"""How fast onnxruntime's own kernels can go on this CPU, for SmolLM2-135M's shapes.
+
+The decode step of an int4 export is ~150 ``MatMulNBits`` calls, 30
+``GroupQueryAttention`` calls and a few small ops. This script measures the two big ones
+alone, in graphs of a single node, so the runtime's decode speed can be read against what
+the kernels allow (README, "Where the 1-thread decode gap to llama.cpp is"):
+
+* ``MatMulNBits`` at ``accuracy_level=4`` (int8 activations), ``M = 1``, for each shape
+  of the model (fused q+k ``576 -> 768``, ``o_proj``, fused gate/up ``576 -> 3072``,
+  ``down_proj 1536 -> 576``, the ``576 -> 49152`` head), 4-bit block 64 with and without
+  zero points (asymmetric / symmetric grids) and the 8-bit head. *hot*: one node called
+  again and again, its weights stay in cache, so the time is the kernel's compute;
+  *cold*: 30 copies called in turn (a layer's worth each), weights streamed from DRAM as
+  in a decode step (the head is one node either way: its 15-29 MB are about the size of
+  the last-level cache). Reported as G weights/s and GB/s of packed weights.
+* ``GroupQueryAttention`` (9 query / 3 KV heads of 64, rotary inside, shared KV buffer
+  bound with IOBinding) per call at 16, 190 and 290 cached tokens.
+
+Each figure is the best of ``--repeat`` medians; the per-call Python overhead of
+``session.run`` (measured on a tiny node) is subtracted from the hot figures. No peer
+runs here: records carry ``peer``/``theirs`` null.
+
+Usage::
+
+    python bench/kernel_ceiling.py --quick --json bench/results/kernel_ceiling.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parent.parent
+OPSETS = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+SHAPES = {"qk": (576, 768), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
+          "head": (576, 49152)}
+
+
+def _session(nodes, inputs, outputs, inits, threads):
+    g = helper.make_graph(nodes, "g", inputs, outputs, inits)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    return ort.InferenceSession(helper.make_model(g, opset_imports=OPSETS).SerializeToString(),
+                                so, providers=["CPUExecutionProvider"])
+
+
+def matmulnbits(K: int, N: int, bits: int, zero_points: bool, threads: int, seed: int = 0):
+    """A one-node ``MatMulNBits`` session (block 64, random codes); returns
+    ``(session, packed weight bytes)``."""
+    rng = np.random.default_rng(seed)
+    bs = 64
+    nb = math.ceil(K / bs)
+    B = rng.integers(0, 256, (N, nb, bs * bits // 8), dtype=np.uint8)
+    S = (rng.random(N * nb, dtype=np.float32) * 0.01).astype(np.float32)
+    inits = [numpy_helper.from_array(B, "B"), numpy_helper.from_array(S, "S")]
+    ins = ["A", "B", "S"]
+    nbytes = B.nbytes + S.nbytes
+    if zero_points:
+        per = 8 // bits
+        Z = rng.integers(0, 256, N * math.ceil(nb / per), dtype=np.uint8)
+        inits.append(numpy_helper.from_array(Z, "Z"))
+        ins.append("Z")
+        nbytes += Z.nbytes
+    node = helper.make_node("MatMulNBits", ins, ["Y"], domain="com.microsoft", K=K, N=N,
+                            bits=bits, block_size=bs, accuracy_level=4)
+    sess = _session([node], [helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, K])],
+                    [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, N])], inits, threads)
+    return sess, nbytes
+
+
+def _best_median(fn, calls: int, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        for _ in range(3):
+            fn()
+        ts = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        best = min(best, float(np.median(ts)))
+    return best
+
+
+def gqa_session(nlayers: int, max_len: int, threads: int):
+    """``nlayers`` independent ``GroupQueryAttention`` nodes (SmolLM2's heads) reading a
+    shared packed QKV input."""
+    H, KVH, D = 9, 3, 64
+    inv = 1.0 / 100000 ** (np.arange(0, D, 2) / D)
+    ang = np.arange(max_len)[:, None] * inv[None]
+    inits = [numpy_helper.from_array(np.cos(ang).astype(np.float32), "cos"),
+             numpy_helper.from_array(np.sin(ang).astype(np.float32), "sin")]
+    ins = [helper.make_tensor_value_info("qkv", TensorProto.FLOAT, [1, 1, (H + 2 * KVH) * D]),
+           helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+           helper.make_tensor_value_info("total", TensorProto.INT32, [])]
+    outs, nodes = [], []
+    for i in range(nlayers):
+        ins += [helper.make_tensor_value_info(f"pk{i}", TensorProto.FLOAT, [1, KVH, max_len, D]),
+                helper.make_tensor_value_info(f"pv{i}", TensorProto.FLOAT, [1, KVH, max_len, D])]
+        nodes.append(helper.make_node(
+            "GroupQueryAttention", ["qkv", "", "", f"pk{i}", f"pv{i}", "seqlens_k", "total", "cos", "sin"],
+            [f"o{i}", f"ok{i}", f"ov{i}"], domain="com.microsoft", num_heads=H, kv_num_heads=KVH,
+            do_rotary=1, rotary_interleaved=0, scale=1.0 / math.sqrt(D)))
+        outs += [helper.make_tensor_value_info(f"o{i}", TensorProto.FLOAT, [1, 1, H * D]),
+                 helper.make_tensor_value_info(f"ok{i}", TensorProto.FLOAT, [1, KVH, max_len, D]),
+                 helper.make_tensor_value_info(f"ov{i}", TensorProto.FLOAT, [1, KVH, max_len, D])]
+    return _session(nodes, ins, outs, inits, threads), (H, KVH, D)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write the records here")
+    ap.add_argument("--quick", action="store_true", help="fewer calls per figure (~1 min)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1])
+    ap.add_argument("--repeat", type=int, default=None, help="medians per figure (default 5, quick 2)")
+    a = ap.parse_args(argv)
+    repeat = a.repeat or (2 if a.quick else 5)
+    calls = 30 if a.quick else 100
+    records = []
+
+    def rec(case, metric, value):
+        records.append({"case": case, "metric": metric, "ours": value, "peer": None, "theirs": None})
+
+    rng = np.random.default_rng(1)
+    print(f"onnxruntime {ort.__version__}; best of {repeat} medians of {calls} calls")
+    for t in a.threads:
+        tiny, _ = matmulnbits(64, 16, 4, True, t)
+        x64 = rng.standard_normal((1, 64)).astype(np.float32)
+        overhead = _best_median(lambda: tiny.run(None, {"A": x64}), 5 * calls, repeat)
+        rec(f"session_run_call/t{t}", "call_overhead_us", overhead * 1e6)
+        print(f"\n{t} thread(s): session.run overhead {overhead * 1e6:.1f} us per call (subtracted from hot)")
+        print(f"{'MatMulNBits M=1':<34}{'hot us':>9}{'G w/s':>8}{'GB/s':>7}{'cold us':>10}{'GB/s':>7}")
+        for name, (K, N) in SHAPES.items():
+            variants = [(4, True), (4, False)] + ([(8, True)] if name == "head" else [])
+            for bits, zp in variants:
+                sess, nbytes = matmulnbits(K, N, bits, zp, t)
+                x = rng.standard_normal((1, K)).astype(np.float32)
+                hot = max(_best_median(lambda: sess.run(None, {"A": x}), calls if N < 10000 else 10,
+                                       repeat) - overhead, 1e-9)
+                ncold = 1 if N >= 10000 else 30
+                copies = [sess] if ncold == 1 else [matmulnbits(K, N, bits, zp, t, seed=s)[0]
+                                                    for s in range(ncold)]
+
+                def cold_pass():
+                    for c in copies:
+                        c.run(None, {"A": x})
+                cold = max((_best_median(cold_pass, max(3, calls // 10), repeat) / ncold) - overhead, 1e-9)
+                case = f"{name}_{K}x{N}_int{bits}_{'asym' if zp else 'sym'}/t{t}"
+                rec(case, "hot_us", hot * 1e6)
+                rec(case, "hot_gweights_s", K * N / hot / 1e9)
+                rec(case, "cold_us", cold * 1e6)
+                rec(case, "cold_gb_s", nbytes / cold / 1e9)
+                print(f"{case:<34}{hot * 1e6:>9.1f}{K * N / hot / 1e9:>8.1f}{nbytes / hot / 1e9:>7.1f}"
+                      f"{cold * 1e6:>10.1f}{nbytes / cold / 1e9:>7.1f}")
+        n, L = 30, 320
+        sess, (H, KVH, D) = gqa_session(n, L, t)
+        kv = [rng.standard_normal((1, KVH, L, D)).astype(np.float32) for _ in range(2 * n)]
+        qkv = rng.standard_normal((1, 1, (H + 2 * KVH) * D)).astype(np.float32)
+        outs = [np.zeros((1, 1, H * D), np.float32) for _ in range(n)]
+        print(f"{'GroupQueryAttention (9 q / 3 kv heads)':<40}{'us per call':>12}")
+        for ctx in (16, 190, 290):
+            bd = sess.io_binding()
+            bd.bind_cpu_input("qkv", qkv)
+            bd.bind_cpu_input("seqlens_k", np.array([ctx - 1], np.int32))
+            bd.bind_cpu_input("total", np.array(ctx, np.int32))
+            for i in range(n):
+                k, v = (ort.OrtValue.ortvalue_from_numpy(kv[2 * i]), ort.OrtValue.ortvalue_from_numpy(kv[2 * i + 1]))
+                bd.bind_ortvalue_input(f"pk{i}", k)
+                bd.bind_ortvalue_input(f"pv{i}", v)
+                bd.bind_ortvalue_output(f"ok{i}", k)
+                bd.bind_ortvalue_output(f"ov{i}", v)
+                bd.bind_ortvalue_output(f"o{i}", ort.OrtValue.ortvalue_from_numpy(outs[i]))
+            per = _best_median(lambda: sess.run_with_iobinding(bd), max(5, calls // 5), repeat) / n
+            rec(f"gqa_ctx{ctx}/t{t}", "per_call_us", per * 1e6)
+            print(f"{'ctx ' + str(ctx):<40}{per * 1e6:>12.1f}")
+    if a.json:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from _peers import write_json_records
+        write_json_records(a.json, records)
+        print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
