@@ -644,28 +644,39 @@ def _drop_mapped_weight_pages(folder: Path) -> int:
         import ctypes
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        root = os.path.realpath(folder) + os.sep
-        maps, cur = [], None
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                head = line.split(maxsplit=5)
-                if len(head) >= 5 and "-" in head[0] and ":" in head[3]:
-                    path = head[5].strip() if len(head) > 5 else ""
-                    cur = None
-                    if path.startswith(root) and os.path.basename(path).startswith("model.onnx"):
-                        a, b = (int(x, 16) for x in head[0].split("-"))
-                        cur = {"range": (a, b), "private": 0}
-                        maps.append(cur)
-                elif cur is not None and line.startswith("Anonymous:"):
-                    cur["private"] += int(line.split()[1])
         done = 0
-        for m in maps:
+        for m in _weight_mappings(folder):
             a, b = m["range"]
-            if m["private"] == 0 and libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), 4) == 0:
+            if m["Anonymous"] == 0 and libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), 4) == 0:
                 done += b - a                                   # 4 = MADV_DONTNEED
         return done
     except (OSError, AttributeError, ValueError):
         return 0
+
+
+def _weight_mappings(folder: Path) -> list[dict]:
+    """This process's mappings of ``folder``'s ``model.onnx*`` files, from
+    ``/proc/self/smaps``: ``[{"range": (start, end), "Rss": bytes, "Anonymous": bytes}]``
+    (``Anonymous``: copy-on-write pages this process wrote).
+
+    Raises:
+        OSError: no ``/proc/self/smaps`` (not Linux).
+    """
+    root = os.path.realpath(folder) + os.sep
+    maps, cur = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=5)
+            if len(head) >= 5 and "-" in head[0] and ":" in head[3]:
+                path = head[5].strip() if len(head) > 5 else ""
+                cur = None
+                if path.startswith(root) and os.path.basename(path).startswith("model.onnx"):
+                    a, b = (int(x, 16) for x in head[0].split("-"))
+                    cur = {"range": (a, b), "Rss": 0, "Anonymous": 0}
+                    maps.append(cur)
+            elif cur is not None and head[0] in ("Rss:", "Anonymous:"):
+                cur[head[0][:-1]] += int(head[1]) * 1024
+    return maps
 
 
 def load(folder, device: str = "cpu", threads: Optional[int] = None,

@@ -42,17 +42,10 @@ def main() -> None:
     sess.eos_token_ids = []                      # generate exactly n tokens
     prompt = list(range(1000, 1128))             # 128 tokens
     if mode == "embed":
-        import os
+        from runtime.session import _weight_mappings
         step = sess.vocab_size // 128
         sess.generate(list(range(0, 128 * step, step)), max_new_tokens=n)
-        root, cur, rss = os.path.realpath(folder) + os.sep, False, 0
-        for line in open("/proc/self/smaps"):
-            head = line.split()
-            if "-" in head[0] and len(head) >= 5 and ":" in head[3]:
-                cur = len(head) > 5 and head[5].startswith(root)
-            elif cur and line.startswith("Rss:"):
-                rss += int(head[1]) * 1024
-        print(json.dumps({"weights_rss": rss}))
+        print(json.dumps({"weights_rss": sum(m["Rss"] for m in _weight_mappings(folder))}))
         return
     if mode == "peak":
         r = sess.generate(prompt, max_new_tokens=n)
