@@ -82,6 +82,16 @@ def _fake_quant(model, qmap):
             model.get_submodule(name).weight.copy_(q.dequantize())
 
 
+def _requantize(model, qmap, suffix, bits, sym, group_size=32):
+    """Replace the codes of every linear whose name ends with ``suffix`` (best-w4-style
+    mixed precision); returns ``qmap``."""
+    from edgeprune.quantize import rtn_quantize
+    for n, m in model.named_modules():
+        if n.endswith(suffix):
+            qmap[n] = rtn_quantize(m.weight.detach(), bits, group_size, sym)
+    return qmap
+
+
 def _rtn_map(model, bits=4, group_size=32, pad_groups=False, sym=False):
     from edgeprune.quantize import rtn_quantize
     return {n: rtn_quantize(m.weight.detach(), bits, group_size, sym, pad_groups=pad_groups)
@@ -118,14 +128,9 @@ def test_symmetric_codes_export_without_zero_points(arch, tok, tmp_path, request
     """Symmetric grids (every zero point 2**(bits-1), MatMulNBits' default) are written
     without the zero_points input, 4-bit and 8-bit alike, and still equal the
     fake-quantized model exactly; an asymmetric layer keeps its zero points."""
-    from edgeprune.quantize import rtn_quantize
     model = request.getfixturevalue(arch)
-    qmap = _rtn_map(model, sym=True)
-    for n, m in model.named_modules():
-        if n.endswith("v_proj"):
-            qmap[n] = rtn_quantize(m.weight.detach(), 8, 32, True)
-        if n.endswith("layers.0.mlp.down_proj"):
-            qmap[n] = rtn_quantize(m.weight.detach(), 4, 32, False)
+    qmap = _requantize(model, _rtn_map(model, sym=True), "v_proj", 8, sym=True)
+    _requantize(model, qmap, "layers.0.mlp.down_proj", 4, sym=False)
     _fake_quant(model, qmap)
     ids = rand_ids(40, seed=13)
     _export(model, tok, tmp_path / "m", precision="int4", quantized=qmap, accuracy_level=0,
@@ -174,12 +179,8 @@ def test_per_layer_accuracy_level(tiny_llama, tok, tmp_path):
 def test_mixed_bits_qkv_fuses_the_runs_it_can(arch, tok, tmp_path, request):
     """best-w4-style codes (8-bit v_proj, 4-bit q/k): q and k share one MatMulNBits, v gets
     its own, and the export still equals the fake-quantized model (qwen2: with biases)."""
-    from edgeprune.quantize import rtn_quantize
     model = request.getfixturevalue(arch)
-    qmap = _rtn_map(model)
-    for n, m in model.named_modules():
-        if n.endswith("v_proj"):
-            qmap[n] = rtn_quantize(m.weight.detach(), 8, 32, False)
+    qmap = _requantize(model, _rtn_map(model), "v_proj", 8, sym=False)
     _fake_quant(model, qmap)
     ids = rand_ids(40, seed=11)
     _export(model, tok, tmp_path / "m", precision="int4", quantized=qmap, accuracy_level=0,
