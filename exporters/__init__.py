@@ -23,8 +23,8 @@ import onnx
 from runtime.errors import ExportError
 
 from .decoder import BUILDERS, BuildOptions, DecoderSpec, accuracy_level_for
-from .folder import (atomic_folder, check_disk, check_out_dir, save_external, save_tokenizer,
-                     write_json)
+from .folder import (atomic_folder, check_disk, check_out_dir, row_read_ranges, save_external,
+                     save_tokenizer, write_json)
 
 FORMAT_VERSION = 1
 EXTERNAL_DATA_THRESHOLD = 2 * 1024 ** 3 - (64 << 20)
@@ -268,7 +268,8 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
         ts = time.perf_counter()
         mpath = tmp / "model.onnx"
         if external:
-            save_external(proto, mpath, "model.onnx.data")
+            placed = save_external(proto, mpath, "model.onnx.data")
+            metadata["row_read_ranges"] = row_read_ranges(proto, placed)
         else:
             onnx.save_model(proto, str(mpath))
         del proto

@@ -118,13 +118,18 @@ def save_tokenizer(tokenizer, folder: Path) -> list[str]:
 DATA_ALIGN = 4096
 
 
-def save_external(proto, model_path: Path, location: str) -> None:
+def save_external(proto, model_path: Path, location: str) -> dict[str, tuple[int, int]]:
     """Save ``proto`` with every initializer >= 1 KiB in ``location`` (next to
     ``model_path``), each at a 4 KiB-aligned (page) offset, so onnxruntime can
-    memory-map it instead of copying."""
+    memory-map it instead of copying.
+
+    Returns:
+        ``{initializer name: (offset, length)}`` in bytes within ``location``.
+    """
     import onnx
     from onnx import numpy_helper
 
+    placed = {}
     off = 0
     with open(model_path.parent / location, "wb") as f:
         for t in proto.graph.initializer:
@@ -141,8 +146,30 @@ def save_external(proto, model_path: Path, location: str) -> None:
             for k, v in (("location", location), ("offset", str(off)), ("length", str(len(raw)))):
                 e = t.external_data.add()
                 e.key, e.value = k, v
+            placed[t.name] = (off, len(raw))
             off += len(raw)
     onnx.save_model(proto, str(model_path))
+    return placed
+
+
+def row_read_ranges(proto, placed: dict[str, tuple[int, int]]) -> list[list[int]]:
+    """Byte ranges ``[[offset, length], ...]`` (sorted, merged) of the external
+    initializers the graph reads a row at a time: the data input of a ``Gather`` (the
+    embedding table, the quantized codes shared with the head, float zero points). The
+    runtime gives just these ranges small page-cache pages before loading
+    (``runtime.session._small_page_cache``); every other initializer is read whole by
+    onnxruntime's pre-packing (or folded into a copy) and then dropped from memory.
+    """
+    inits = {t.name for t in proto.graph.initializer}
+    names = {n.input[0] for n in proto.graph.node
+             if n.op_type == "Gather" and n.input and n.input[0] in inits and n.input[0] in placed}
+    out: list[list[int]] = []
+    for off, length in sorted(placed[n] for n in names):
+        if out and off <= out[-1][0] + out[-1][1] + DATA_ALIGN:
+            out[-1][1] = max(out[-1][1], off + length - out[-1][0])
+        else:
+            out.append([off, length])
+    return out
 
 
 def write_json(path: Path, obj) -> None:

@@ -242,8 +242,51 @@ def test_mapped_weight_pages_dropped_for_a_freshly_written_folder(tmp_path, monk
     from runtime.session import _weight_mappings
     # the load's page-cache re-read (POSIX_FADV_DONTNEED) starts writeback of the dirty
     # pages; skip it so this checks the drop rule itself
-    monkeypatch.setattr(rs, "_small_page_cache", lambda path: False)
+    monkeypatch.setattr(rs, "_small_page_cache", lambda path, ranges=None: False)
     with runtime.load(tmp_path / "fresh") as s:
         maps = _weight_mappings(tmp_path / "fresh")
         assert maps and sum(m["Rss"] for m in maps) == 0
         np.testing.assert_array_equal(s.logits(ids), ref)
+
+
+def test_small_page_cache_reads_only_the_row_read_tables(tmp_path, monkeypatch):
+    """The exporter records the byte ranges of the tables read a row at a time (the data
+    inputs of ``Gather``: here the q8 table shared by the embedding and the head, its
+    float zero points) and the runtime re-reads exactly those page-aligned ranges
+    before loading, not the whole weight file; exports without the field fall back to
+    the whole file."""
+    import onnx
+    from transformers import LlamaConfig
+    from conftest import _tiny
+    import runtime.session as rs
+    model = _tiny(LlamaConfig, tie_word_embeddings=True)
+    r = exporters.export_onnx(model, tiny_tokenizer(), tmp_path / "a", precision="int4",
+                              max_length=64, validate=False)
+    ranges = r.metadata["row_read_ranges"]
+    data = tmp_path / "a" / "model.onnx.data"
+    proto = onnx.load(str(tmp_path / "a" / "model.onnx"), load_external_data=False)
+    ext = {t.name: {e.key: e.value for e in t.external_data} for t in proto.graph.initializer
+           if t.data_location == onnx.TensorProto.EXTERNAL}
+    gathered = sorted({n.input[0] for n in proto.graph.node
+                       if n.op_type == "Gather" and n.input[0] in ext})
+    # the codes are gathered directly (the scales pass a Reshape that onnxruntime folds
+    # into a copy of its own, so their file pages are never row-read)
+    assert "lm_head.qweight" in gathered
+    spans = sorted((int(ext[n]["offset"]), int(ext[n]["length"])) for n in gathered)
+    # every gathered table inside one recorded range, nothing else
+    for off, length in spans:
+        assert any(a <= off and off + length <= a + n for a, n in ranges)
+    assert sum(n for _, n in ranges) <= sum(n for _, n in spans) + 4096 * len(spans)
+    assert sum(n for _, n in ranges) < data.stat().st_size / 2
+    read = []
+    real = os.pread
+    monkeypatch.setattr(rs.os, "pread", lambda fd, n, off: read.append((off, n)) or real(fd, n, off))
+    assert rs._small_page_cache(data, ranges)
+    expect = sum(-(-(a + n) // 4096) * 4096 - a // 4096 * 4096 for a, n in ranges)
+    assert sum(n for _, n in read) == min(expect, data.stat().st_size)
+    assert min(o for o, _ in read) == ranges[0][0] // 4096 * 4096
+    read.clear()
+    assert rs._small_page_cache(data, None)
+    assert sum(n for _, n in read) == data.stat().st_size
+    with runtime.load(tmp_path / "a") as s:      # and the load path passes the ranges
+        assert s.meta["row_read_ranges"] == ranges
