@@ -3,8 +3,10 @@
 Same model (SmolLM2-135M-Instruct), batch 1, a 128-token prompt and 128 greedy new tokens
 (end-of-sequence ignored), 1 and 2 threads, every run in a fresh process:
 
-* ours: the int4 export (``exporters.export_onnx(precision="int4")``: RTN int4 g32 linears,
-  q8 lm_head, fused GroupQueryAttention graph) run by ``runtime`` (torch-free);
+* ours: the int4 exports named by ``--variants`` (``default``: what ``edgeprune run`` ships,
+  the best-w4 recipe - GPTQ int4 g64 asym, 8-bit ``v_proj`` and first ``down_proj``, q8
+  ``lm_head`` - calibrated on text sampled from the model; ``rtn-g32``: RTN int4 g32, block
+  for block like Q4_0), fused GroupQueryAttention graph, run by ``runtime`` (torch-free);
 * llama.cpp: the original ``Q4_1`` GGUF and a ``Q4_0`` re-quantized from it
   (``llama_model_quantize``: Q4_1 -> F32 with requantize allowed -> Q4_0), in
   ``.venv-llamacpp`` (built from source on first use, ~15 min on 2 cores).
@@ -19,7 +21,9 @@ Usage::
     python bench/compare_llamacpp.py --repeat 10          # the PEERS.md protocol
 
 JSON records ``{"case", "metric", "ours", "peer", "theirs"}``: case ``int4_vs_q4_0/t1`` ...,
-metrics ``decode_tok_s``, ``prefill_tok_s``, ``peak_rss_mb``, ``bandwidth_fraction``;
+metrics ``decode_tok_s``, ``prefill_tok_s``, ``peak_rss_mb``, ``bandwidth_fraction`` (medians
+over the rounds) and ``decode_ratio_paired`` (median over the rounds of ours / theirs from
+the same round, with ``min``/``max``; who runs first alternates between rounds);
 peer ``"llama.cpp"``. A peer failure is recorded (``theirs`` null, ``error`` set), not hidden.
 Timings on a shared 2-core machine are noisy: differences under 10-15 % are noise.
 """
@@ -336,22 +340,30 @@ def main(argv=None) -> int:
     results: dict[tuple, list] = {}
     errors: dict[tuple, str] = {}
 
-    def record(key, r):
+    def record(key, r, rep):
         if "error" in r:
             errors[key] = r["error"]
             log(f"{key}: {r['error'][:300]}")
         else:
-            results.setdefault(key, []).append(r)
+            results.setdefault(key, []).append({**r, "rep": rep})
 
     for rep in range(repeat):
         for t in a.threads:
-            for v, d in ours_dirs.items():
-                if not ours_errs[v]:
-                    record((f"ours:{v}", t), _spawn(sys.executable, "ours", [str(d), t, a.prompt_len, a.gen_len], 600))
-            for q, g in ggufs.items():
-                if py and g is not None:
-                    record((q, t), _spawn(py, "llamacpp", [str(g), t, a.prompt_len, a.gen_len], 600))
+            jobs = [((f"ours:{v}", t), sys.executable, "ours", str(d)) for v, d in ours_dirs.items()
+                    if not ours_errs[v]]
+            jobs += [((q, t), py, "llamacpp", str(g)) for q, g in ggufs.items() if py and g is not None]
+            # alternate who runs first, so a drift within a round favours neither side
+            for key, exe, kind, path in (jobs if rep % 2 == 0 else jobs[::-1]):
+                record(key, _spawn(exe, kind, [path, t, a.prompt_len, a.gen_len], 600), rep)
         log(f"run {rep + 1}/{repeat} done ({time.perf_counter() - t_start:.0f} s)")
+
+    def paired_ratio(key_ours, key_peer, t, metric="decode_tok_s"):
+        """Median and range over the rounds of ours / theirs measured in the same round
+        (seconds apart): machine drift between rounds cancels."""
+        a_ = {r["rep"]: r[metric] for r in results.get((key_ours, t), [])}
+        b_ = {r["rep"]: r[metric] for r in results.get((key_peer, t), [])}
+        rs = sorted(a_[k] / b_[k] for k in a_ if k in b_ and b_[k])
+        return (float(statistics.median(rs)), rs[0], rs[-1], len(rs)) if rs else None
 
     def summary(key, t):
         runs = results.get((key, t), [])
@@ -394,10 +406,17 @@ def main(argv=None) -> int:
                         err = errors.get((f"ours:{v}", t) if name.startswith("ours") else (q, t)) or \
                             ours_errs.get(v) or peer_err or "not run"
                         print(f"{case:<26}{name:<22}  FAILED: {err[:120]}")
+                pr = paired_ratio(f"ours:{v}", q, t)
                 if o and th:
                     print(f"{'':<26}{'ratio ours/llama.cpp':<22}  decode {o['decode_tok_s'] / th['decode_tok_s']:.2f}x, "
                           f"prefill {o['prefill_tok_s'] / th['prefill_tok_s']:.2f}x, "
                           f"RSS {o['peak_rss_mb'] / th['peak_rss_mb']:.2f}x")
+                if pr:
+                    print(f"{'':<26}{'paired, same round':<22}  decode {pr[0]:.2f}x "
+                          f"(rounds {pr[1]:.2f}-{pr[2]:.2f}, n={pr[3]})")
+                    records.append({"case": case, "metric": "decode_ratio_paired", "ours": pr[0],
+                                    "peer": "llama.cpp", "theirs": None,
+                                    "min": pr[1], "max": pr[2], "rounds": pr[3]})
                 for m in ("decode_tok_s", "prefill_tok_s", "peak_rss_mb", "bandwidth_fraction"):
                     rec = {"case": case, "metric": m, "ours": o[m] if o else None, "peer": "llama.cpp",
                            "theirs": th[m] if th else None}
