@@ -270,6 +270,7 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
         if external:
             placed = save_external(proto, mpath, "model.onnx.data")
             metadata["row_read_ranges"] = row_read_ranges(proto, placed)
+            metadata["data_bytes"] = (tmp / "model.onnx.data").stat().st_size
         else:
             onnx.save_model(proto, str(mpath))
         del proto

@@ -74,8 +74,8 @@ class CountdownSession(Session):
         return so
 
     # -------------------------------------------------------------- decode hooks
-    def _prefill(self, prompts) -> dict:
-        st = super()._prefill(prompts)
+    def _prefill(self, prompts, need=None) -> dict:
+        st = super()._prefill(prompts, need)
         if self._has_kept and "binding" in st and self.device == "cpu":
             buf = np.zeros((len(self.countdown.get("thresholds") or []) or
                             int(self.meta["num_layers"]),), np.int64)

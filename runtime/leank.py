@@ -161,7 +161,7 @@ class LeanKSession(Session):
                 outs.append(self._run(part, part.shape[1], caches))
             return np.concatenate(outs, axis=1)
 
-    def _prefill(self, prompts) -> dict:
+    def _prefill(self, prompts, need=None) -> dict:
         lens = {len(p) for p in prompts}
         if len(lens) != 1:
             raise GenerationError("LeanK sessions need prompts of equal length in a batch",

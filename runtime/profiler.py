@@ -276,13 +276,20 @@ class ProfileReport:
                f"prompt {self.settings['prompt_len']} tokens, {self.settings['gen_len']} new tokens, "
                f"{self.settings['repeat']} runs, batch 1.", ""] + lines
         if self.gpu is not None:
-            out += ["", f"GPU: {'available' if self.gpu['available'] else 'NOT available'} — {self.gpu['reason']}"]
+            why = str(self.gpu["reason"])
+            if why.lower().startswith("not available"):
+                why = why[len("not available"):].lstrip(" :—-")
+            out += ["", f"GPU: {'available' if self.gpu['available'] else 'NOT available'} — {why}"]
         if self.sweep:
             out += ["", "Context sweep (measured):", "",
                     "| context (tokens) | decode step ms (median) | decode tok/s | RSS (MiB) | KV K+V (MiB) |",
                     "|---|---|---|---|---|"]
             out += [f"| {s['context']} | {s['decode_step_ms']:.2f} | {s['decode_tok_s']:.1f} | "
                     f"{s['rss_bytes'] / MiB:.1f} | {s['kv_bytes'] / MiB:.2f} |" for s in self.sweep]
+            sp = self.measured.get("sweep_peak_rss_bytes")
+            if sp:
+                out += ["", f"Peak RSS over the sweep: {sp / MiB:.1f} MiB (the table's peak RSS "
+                            f"is the {self.measured['final_length']}-token setting's own)."]
             if self.plot_path:
                 out += ["", f"Plot: `{self.plot_path}`"]
         if self.projected:
@@ -434,6 +441,8 @@ def _measure(cfg: dict) -> dict:
             prefill.append(r.prefill_tok_s)
             steps.extend(r.step_ms)
             decode_runs.append(r.decode_tok_s)
+        # the headline peak is this setting's own (the sweep's longer contexts come after)
+        peak = max(watch.peak, _vm_hwm())
         sweep = []
         for c in cfg.get("sweep") or []:
             r = sess.generate(_prompt_ids(sess.tokenizer, int(c), int(sess.vocab_size)), max_new_tokens=SWEEP_NEW_TOKENS)
@@ -444,7 +453,7 @@ def _measure(cfg: dict) -> dict:
         kv = sess.kv_cache_bytes(P + G)
         weights = int(sess.weights_bytes)
         sess.close()
-    peak = max(watch.peak, _vm_hwm())
+    sweep_peak = max(watch.peak, _vm_hwm()) if sweep else None
     med, p90 = float(np.median(steps)) if steps else float("nan"), _pct(steps, 90)
     return {
         "ttft_ms": {"median": float(np.median(ttft)), "p90": _pct(ttft, 90), "runs": ttft},
@@ -454,6 +463,7 @@ def _measure(cfg: dict) -> dict:
         "peak_rss_bytes": peak, "rss_start_bytes": rss_start, "rss_loaded_bytes": rss_loaded,
         "weights_bytes": weights, "kv_bytes": {"k": int(kv["k"]), "v": int(kv["v"])},
         "final_length": P + G, "sweep": sweep, "budget_bytes": cfg.get("budget_bytes"),
+        "sweep_peak_rss_bytes": sweep_peak,
     }
 
 
@@ -547,11 +557,19 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
     folder = Path(folder)
     if not (folder / "model.onnx").is_file():
         raise RuntimeLoadError(f"{folder} has no model.onnx", "pass the folder written by `edgeprune export`")
-    for name, v in (("prompt_len", prompt_len), ("gen_len", gen_len), ("repeat", repeat)):
-        if not isinstance(v, (int, np.integer)) or v < 1:
-            raise GenerationError(f"{name} must be a positive integer, got {v!r}",
+    for name, v, lo in (("prompt_len", prompt_len, 1), ("gen_len", gen_len, 2), ("repeat", repeat, 1)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+            raise GenerationError(f"{name} must be an integer >= {lo}, got {v!r}"
+                                  + (" (decode speed needs at least two new tokens)" if lo == 2 else ""),
                                   f"pass e.g. --{name.replace('_', '-')} {5 if name == 'repeat' else 128}")
+    if sweep not in (None, True, False) and (
+            not isinstance(sweep, (list, tuple)) or not all(
+                isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in sweep)):
+        raise GenerationError(f"sweep must be True or a list of context lengths, got {sweep!r}",
+                              "pass e.g. sweep=[128, 512, 1024] (CLI: --sweep for the default list)")
     prof = devices.load_profile(profile_name_or_obj, measure=False)
+    for name in targets or []:      # a typo fails now, not after the measurement
+        devices.load_profile(name, measure=False)
     try:
         meta = json.loads((folder / "edgeprune.json").read_text())
     except (OSError, ValueError):

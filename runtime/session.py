@@ -111,6 +111,11 @@ class Session:
     def __init__(self, folder, device: str = "cpu", threads: Optional[int] = None,
                  max_length: Optional[int] = None, context_policy: str = "error"):
         self.folder = Path(folder)
+        for name, v in (("threads", threads), ("max_length", max_length)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
+                                  or v < 1):
+                raise RuntimeLoadError(f"{name} must be a positive integer or None, got {v!r}",
+                                       f"pass e.g. {name}={2 if name == 'threads' else 512}")
         if not self.folder.is_dir():
             raise RuntimeLoadError(f"{folder} is not a folder",
                                    "pass the folder written by `edgeprune export`")
@@ -120,6 +125,8 @@ class Session:
                                    "re-run `edgeprune export` into a fresh folder")
         try:
             self.meta = json.loads((self.folder / "edgeprune.json").read_text())
+            if not isinstance(self.meta, dict):
+                raise ValueError(f"a JSON object expected, found {type(self.meta).__name__}")
         except (OSError, ValueError) as e:
             raise RuntimeLoadError(f"cannot read {self.folder / 'edgeprune.json'}: {e}",
                                    "re-run `edgeprune export`; the metadata is corrupt") from e
@@ -135,6 +142,12 @@ class Session:
         self.tokenizer = Tokenizer.from_folder(self.folder)
         self.threads = threads
         so = self._session_options()
+        data = self.folder / "model.onnx.data"
+        want = self.meta.get("data_bytes")
+        if isinstance(want, int) and data.is_file() and data.stat().st_size != want:
+            raise RuntimeLoadError(f"{data} is truncated or altered ({data.stat().st_size / 1e6:.1f} MB, "
+                                   f"the export wrote {want / 1e6:.1f} MB)",
+                                   "copy the folder again, or re-run `edgeprune export`")
         _small_page_cache(self.folder / "model.onnx.data", self.meta.get("row_read_ranges"))
         try:
             self.sess = ort.InferenceSession(str(self.folder / "model.onnx"), so,
@@ -143,7 +156,7 @@ class Session:
             raise
         except Exception as e:  # noqa: BLE001  (onnxruntime raises several types)
             raise RuntimeLoadError(f"onnxruntime cannot load {self.folder / 'model.onnx'}: "
-                                   f"{str(e).splitlines()[0][:300]}",
+                                   f"{str(e).splitlines()[0][:600]}",
                                    "the file is corrupt or incomplete; re-run `edgeprune export`"
                                    ) from e
         _release_free_heap()
@@ -168,6 +181,7 @@ class Session:
                                 (self.eos_token_ids[0] if self.eos_token_ids else 0))
         self._caches: dict[int, SharedKVCache] = {}
         self._lock = threading.Lock()
+        self._stream_thread: Optional[int] = None   # thread of a suspended stream(), if any
         self._closed = False
 
     def _session_options(self) -> "ort.SessionOptions":
@@ -212,6 +226,10 @@ class Session:
 
     # ---------------------------------------------------------------- inputs
     def _encode(self, prompt: Prompt, chat: bool) -> tuple[list[list[int]], bool]:
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            # one conversation: [{"role": ..., "content": ...}, ...] through the chat template
+            prompt = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
+            chat = False
         if isinstance(prompt, str):
             prompts, batched = [prompt], False
         elif isinstance(prompt, np.ndarray):
@@ -222,19 +240,30 @@ class Session:
             prompts, batched = [list(prompt)], False
         elif isinstance(prompt, (list, tuple)) and len(prompt) > 0:
             prompts, batched = list(prompt), True
-        else:
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
             raise GenerationError("the prompt is empty", "pass a non-empty string or token ids")
+        else:
+            raise GenerationError(f"a prompt must be a string, token ids or a list of them, "
+                                  f"got {type(prompt).__name__}",
+                                  "pass e.g. 'Hello' or [1, 2, 3]")
         out = []
-        for p in prompts:
+        for row, p in enumerate(prompts):
             if isinstance(p, str):
                 if chat:
                     p = self.tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                                            add_generation_prompt=True)
                 ids = self.tokenizer.encode(p, add_special_tokens=False) if p else []
-            else:
+            elif isinstance(p, (list, tuple, np.ndarray)) and all(
+                    isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p):
                 ids = [int(t) for t in p]
+            else:
+                raise GenerationError(f"prompt row {row} is neither a string nor integer token ids "
+                                      f"({type(p).__name__})",
+                                      "pass strings, or lists of int token ids from this "
+                                      "folder's tokenizer")
             if not ids:
-                raise GenerationError("the prompt is empty", "pass a non-empty string or token ids")
+                raise GenerationError("the prompt is empty" + (f" (row {row})" if batched else ""),
+                                      "pass a non-empty string or token ids")
             if max(ids) >= self.vocab_size or min(ids) < 0:
                 raise GenerationError(f"token id out of range [0, {self.vocab_size})",
                                       "encode the prompt with this folder's tokenizer")
@@ -258,6 +287,8 @@ class Session:
         Raises:
             GenerationError: ``S`` exceeds ``max_length`` or a row has no real token.
         """
+        if self._closed:
+            raise GenerationError("the session is closed", "load the folder again")
         ids = np.asarray(input_ids, dtype=np.int64)
         if ids.ndim == 1:
             ids = ids[None]
@@ -392,11 +423,28 @@ class Session:
         prompts, batched = self._encode(prompt, chat)
         lens = [len(p) for p in prompts]
         self._check_room(lens, int(max_new_tokens))
-        stop = [s for s in (stop or []) if s]
-        with self._lock:
-            yield from self._loop(prompts, int(max_new_tokens), sampler, stop, streaming)
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is not None and (not isinstance(stop, (list, tuple))
+                                 or not all(isinstance(x, str) for x in stop)):
+            raise GenerationError(f"stop must be a string or a list of strings, got {stop!r}",
+                                  "pass e.g. stop=['\\n\\n']")
+        stop = [x for x in (stop or []) if x]
+        need = max(lens) + int(max_new_tokens)
+        me = threading.get_ident()
+        if not self._lock.acquire(blocking=self._stream_thread != me):
+            raise GenerationError("a stream() on this session is still open in this thread",
+                                  "exhaust it or call its .close() first (or use a second session)")
+        try:
+            if streaming:
+                self._stream_thread = me
+            yield from self._loop(prompts, int(max_new_tokens), sampler, stop, streaming, need)
+        finally:
+            if streaming:
+                self._stream_thread = None
+            self._lock.release()
 
-    def _loop(self, prompts, max_new, sampler, stop, streaming):
+    def _loop(self, prompts, max_new, sampler, stop, streaming, need=None):
         B = len(prompts)
         eos = set(self.eos_token_ids)
         gen: list[list[int]] = [[] for _ in range(B)]
@@ -406,7 +454,7 @@ class Session:
         texts = [""] * B
         step_ms: list[float] = []
         t0 = time.perf_counter()
-        state = self._prefill(prompts)
+        state = self._prefill(prompts, need)
         logits = state["logits"]
         t_prefill = time.perf_counter() - t0
         ttft = None
@@ -458,14 +506,29 @@ class Session:
             step_ms=list(step_ms), finish_reasons=list(reasons))
 
     # ----------------------------------------------------- fused prefill/decode
-    def _cache(self, B: int) -> SharedKVCache:
+    def _cache(self, B: int, need: Optional[int] = None) -> SharedKVCache:
+        """The preallocated KV buffers for batch ``B``: ``need`` tokens per row (prompt +
+        ``max_new_tokens``) rounded up to a multiple of 256 and capped at ``max_length``
+        (the whole ``max_length`` under the sliding-window policy or when ``need`` is
+        unknown). Reused by later calls that fit; decode steps never reallocate them.
+
+        Raises:
+            GenerationError: the buffers would not fit in the memory available now.
+        """
+        cap = self.max_length
+        if need is not None and self.context_policy == "error":
+            cap = min(self.max_length, -(-int(need) // KV_CHUNK) * KV_CHUNK)
         c = self._caches.get(B)
-        if c is None:
-            self._caches.clear()   # keep at most one batch size resident
-            c = self._caches[B] = SharedKVCache(self.kv, B, self.max_length, self.device)
+        if c is None or c.max_length < cap:
+            self._caches.clear()   # keep at most one set of buffers resident
+            _check_memory(sum(self.kv.bytes(cap, B).values()),
+                          f"the KV cache for {B} row(s) x {cap} tokens",
+                          "generate fewer rows at once, lower max_new_tokens, or load with a "
+                          "smaller max_length")
+            c = self._caches[B] = SharedKVCache(self.kv, B, cap, self.device)
         return c
 
-    def _prefill(self, prompts) -> dict:
+    def _prefill(self, prompts, need: Optional[int] = None) -> dict:
         B = len(prompts)
         lens = np.array([len(p) for p in prompts], np.int64)
         S = int(lens.max())
@@ -480,7 +543,7 @@ class Session:
             logits = self._run_plain(ids, mask, pos, 1, cache)[:, -1]
             return {"logits": logits, "cache": cache, "mask": mask, "pos": pos[:, -1:].copy(),
                     "lens": lens.copy(), "tokens": [list(p) for p in prompts]}
-        cache = self._cache(B)
+        cache = self._cache(B, need)
         ids = np.full((B, S), self.pad_token_id, np.int64)
         for b, p in enumerate(prompts):
             ids[b, :len(p)] = p
@@ -519,6 +582,8 @@ class Session:
         return new["logits"]
 
     def _decode_step(self, st, feed: np.ndarray) -> np.ndarray:
+        if self._closed:
+            raise GenerationError("the session was closed during generation", "load the folder again")
         over = self._check_context(st, feed)
         if over is not None:
             return over
@@ -558,6 +623,24 @@ class Session:
 
     def __exit__(self, *exc):
         self.close()
+
+
+#: KV buffers are sized in steps of this many tokens (reuse across calls of similar length).
+KV_CHUNK = 256
+
+
+def _check_memory(nbytes: int, what: str, fix: str) -> None:
+    """Raise :class:`GenerationError` when ``nbytes`` exceed the memory the OS reports
+    available now (``MemAvailable`` in ``/proc/meminfo``; no check where it is absent),
+    instead of letting the OOM killer end the process."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return
+    if nbytes > avail:
+        raise GenerationError(f"{what} needs {nbytes / 2**20:.0f} MiB, more than the "
+                              f"{avail / 2**20:.0f} MiB available", fix)
 
 
 def _release_free_heap() -> None:

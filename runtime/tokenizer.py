@@ -205,15 +205,17 @@ class Tokenizer:
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise GenerationError("messages must be a list of {'role': ..., 'content': ...} dicts",
                                   "e.g. [{'role': 'user', 'content': 'Hello'}]")
-        template = self._compiled_template()
         variables = dict(self.special_tokens)
         variables.update(kwargs)
         try:
+            template = self._compiled_template()
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         except GenerationError:
             raise
         except Exception as e:  # jinja2 errors, TemplateError from raise_exception
-            raise GenerationError(f"chat template failed: {e}", "check the messages' roles and order") from e
+            raise GenerationError(f"chat template failed: {type(e).__name__}: {e}",
+                                  "check the messages' roles and order, or the folder's "
+                                  "chat_template (pass chat=False / --no-chat to skip it)") from e
 
     def _compiled_template(self):
         cached = getattr(self, "_template_cache", None)

@@ -1,0 +1,162 @@
+"""Runtime input checks and KV-buffer sizing found by a newcomer's review (issue 5):
+each bad input gets a GenerationError / RuntimeLoadError naming the fix, never a raw
+TypeError / AttributeError / hang / OOM kill."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import exporters
+import runtime
+import runtime.session as rs
+from runtime.errors import DeviceError, GenerationError, RuntimeLoadError
+
+from _h3_tiny import tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """Tiny llama exported fused with a 600-token context (room for several KV sizes)."""
+    from transformers import LlamaConfig
+    from conftest import _tiny
+    out = tmp_path_factory.mktemp("inputs") / "fused"
+    exporters.export_onnx(_tiny(LlamaConfig), tiny_tokenizer(), out, max_length=600,
+                          validate=False)
+    return out
+
+
+def test_kv_buffers_sized_per_call_and_reused(folder, monkeypatch):
+    """The KV buffers hold prompt + max_new_tokens rounded up to 256 tokens (capped at
+    max_length), not the whole context for every row; a later call that fits reuses
+    them, a longer one replaces them; the size is checked against available memory."""
+    asked = []
+    real = rs._check_memory
+    monkeypatch.setattr(rs, "_check_memory", lambda n, what, fix: asked.append(n) or real(n, what, fix))
+    with runtime.load(folder) as s:
+        s.eos_token_ids = []
+        s.generate([5, 6, 7], max_new_tokens=4)
+        c = s._caches[1]
+        assert c.arrays[0].shape[2] == 256
+        assert asked == [sum(s.kv.bytes(256, 1).values())]
+        bufs = [a.ctypes.data for a in c.arrays]
+        s.generate([5, 6, 7, 8], max_new_tokens=100)           # fits: same buffers
+        assert [a.ctypes.data for a in s._caches[1].arrays] == bufs
+        r_long = s.generate([5, 6, 7], max_new_tokens=300)     # 303 -> 512
+        assert s._caches[1].arrays[0].shape[2] == 512 and len(r_long.token_ids[0]) == 300
+        s.generate([5, 6, 7], max_new_tokens=590)              # 593 -> capped at 600
+        assert s._caches[1].arrays[0].shape[2] == 600
+        # the result does not depend on the buffer size
+        r = s.generate([5, 6, 7], max_new_tokens=300)
+        assert r.token_ids == r_long.token_ids
+        s.generate(["ab", "cd"], max_new_tokens=2)
+        assert s._caches[2].arrays[0].shape[:3] == (2, s.kv.kv_heads[0], 256) and 1 not in s._caches
+    with runtime.load(folder, context_policy="sliding_window") as s:
+        s.generate([5, 6], max_new_tokens=2)
+        assert s._caches[1].arrays[0].shape[2] == 600          # may run past: whole context
+
+
+def test_check_memory_names_the_size_and_the_fix():
+    with pytest.raises(GenerationError, match=r"needs \d+ MiB, more than .* available.*fewer rows"):
+        rs._check_memory(1 << 60, "the KV cache for 9 row(s) x 256 tokens", "generate fewer rows")
+    rs._check_memory(1024, "x", "y")                           # small: fine
+
+
+def test_suspended_stream_raises_instead_of_hanging(folder):
+    with runtime.load(folder) as s:
+        it = s.stream("abc", max_new_tokens=20)
+        next(it)
+        with pytest.raises(GenerationError, match="stream.*still open"):
+            s.generate("ab", max_new_tokens=2)
+        it.close()
+        assert len(s.generate("ab", max_new_tokens=2).token_ids[0]) >= 1
+
+
+def test_stop_and_prompt_types(folder):
+    with runtime.load(folder) as s:
+        s.eos_token_ids = []
+        full = s.generate("abc", max_new_tokens=12).texts[0]
+        assert len(full) >= 4
+        word = full[2:4]
+        one = s.generate("abc", max_new_tokens=12, stop=word)
+        assert one.texts == s.generate("abc", max_new_tokens=12, stop=[word]).texts
+        assert one.texts[0] == full[:full.find(word)] and one.finish_reasons == ["stop"]
+        for bad in ([1], 5, ["a", None]):
+            with pytest.raises(GenerationError, match="stop must be"):
+                s.generate("abc", stop=bad)
+        for bad, msg in (([1.5, 2.0], "neither a string nor integer"),
+                         (np.array([1.5, 2.2]), "neither a string nor integer"),
+                         (None, "must be a string"), (5, "must be a string"),
+                         (b"abc", "must be a string"), ([True, 2], "neither")):
+            with pytest.raises(GenerationError, match=msg):
+                s.generate(bad, max_new_tokens=2)
+        with pytest.raises(GenerationError, match="row 1"):
+            s.generate(["ab", ""], max_new_tokens=2)
+
+
+def test_chat_messages_and_a_broken_template(folder, tmp_path):
+    with runtime.load(folder) as s:
+        msgs = [{"role": "user", "content": "hi"}]
+        a = s.generate(msgs, max_new_tokens=3)
+        b = s.generate("hi", max_new_tokens=3, chat=True)
+        assert a.token_ids == b.token_ids and a.prompt_tokens == b.prompt_tokens
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    (bad / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content ")
+    with runtime.load(bad) as s:
+        with pytest.raises(GenerationError, match="chat template failed.*no-chat"):
+            s.generate("hi", chat=True)
+        assert s.generate("hi", max_new_tokens=1, chat=False).token_ids
+
+
+def test_closed_session_and_load_arguments(folder, tmp_path):
+    s = runtime.load(folder)
+    it = s.stream("abc", max_new_tokens=10)
+    next(it)
+    s.close()
+    with pytest.raises(GenerationError, match="closed"):
+        next(it)
+    with pytest.raises(GenerationError, match="closed"):
+        s.logits(np.array([[1, 2, 3]]))
+    for kw in ({"max_length": 0}, {"max_length": -5}, {"threads": 0}, {"threads": 2.5},
+               {"threads": True}):
+        with pytest.raises(RuntimeLoadError, match="positive integer"):
+            runtime.load(folder, **kw)
+    bad = tmp_path / "meta"
+    shutil.copytree(folder, bad)
+    (bad / "edgeprune.json").write_text("[]")
+    with pytest.raises(RuntimeLoadError, match="JSON object"):
+        runtime.load(bad)
+
+
+def test_truncated_weight_file_is_named(tmp_path):
+    from transformers import LlamaConfig
+    from conftest import _tiny
+    folder = tmp_path / "ext"
+    exporters.export_onnx(_tiny(LlamaConfig), tiny_tokenizer(), folder, max_length=64,
+                          validate=False, external_data=True)
+    meta = json.loads((folder / "edgeprune.json").read_text())
+    assert meta["data_bytes"] == (folder / "model.onnx.data").stat().st_size
+    bad = tmp_path / "trunc"
+    shutil.copytree(folder, bad)
+    data = (bad / "model.onnx.data").read_bytes()
+    (bad / "model.onnx.data").write_bytes(data[: len(data) // 2])
+    with pytest.raises(RuntimeLoadError, match="truncated.*re-run `edgeprune export`"):
+        runtime.load(bad)
+
+
+def test_profile_checks_arguments_before_measuring(folder, monkeypatch):
+    import runtime.profiler as rp
+
+    def no(*a, **k):
+        raise AssertionError("measured before checking the arguments")
+    monkeypatch.setattr(rp, "_run_worker", no)
+    with pytest.raises(DeviceError, match="raspbery-pi-5"):
+        rp.profile(folder, "cpu-host", prompt_len=8, gen_len=4, repeat=1, targets=["raspbery-pi-5"])
+    with pytest.raises(GenerationError, match="gen_len must be an integer >= 2"):
+        rp.profile(folder, "cpu-host", prompt_len=8, gen_len=1, repeat=1)
+    with pytest.raises(GenerationError, match="sweep must be"):
+        rp.profile(folder, "cpu-host", prompt_len=8, gen_len=4, repeat=1, sweep="abc")
