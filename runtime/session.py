@@ -3,7 +3,10 @@
 Torch-free: onnxruntime, numpy, tokenizers (through ``runtime.tokenizer``) and psutil.
 
 Fused graphs (``GroupQueryAttention``) keep one preallocated KV buffer per layer
-(``runtime.kv_cache.SharedKVCache``) bound with IOBinding once per generation; each
+(``runtime.kv_cache.SharedKVCache``) bound with IOBinding once per generation, sized to
+the call's requested length (prompt + ``max_new_tokens``, rounded up to 256 tokens and
+capped at ``max_length``; the whole ``max_length`` under ``"sliding_window"``), reused
+by later calls that fit and checked against the memory available; each
 decode step only rewrites a few preallocated numpy arrays (the next token, ``seqlens_k``,
 ``total_sequence_length``) that ONNX Runtime reads in place, and the logits land in a
 preallocated ``[B, 1, vocab]`` buffer: no per-step allocation proportional to the context.
