@@ -24,7 +24,10 @@ METHODS = ["magnitude", "wanda", "sparsegpt", "rtn", "gptq", "awq"]
 def _console():
     from rich.console import Console
 
-    return Console(stderr=False, highlight=False)
+    con = Console(stderr=False, highlight=False)
+    if not con.is_terminal:        # piped / redirected: no 80-column wrapping of tables
+        con = Console(stderr=False, highlight=False, width=200)
+    return con
 
 
 def _write_json(path: Optional[str], data: Any) -> None:
@@ -52,7 +55,8 @@ def _table(title: str, columns: list[str], rows: list[list[Any]]):
 
     t = Table(title=title)
     for c in columns:
-        t.add_column(c, justify="right" if c != columns[0] else "left")
+        first = c == columns[0]   # names (e.g. device profiles) are never cut
+        t.add_column(c, justify="left" if first else "right", no_wrap=first, overflow="fold")
     from .pipeline import format_value
 
     for r in rows:
@@ -383,14 +387,21 @@ def leank_cmd(model, k_keep, method, calib, nsamples, seqlen, sink, window, out_
 @click.option("--seed", type=int, default=None)
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Render with the chat template.")
 @click.option("--threads", type=int, default=None)
+@click.option("--max-length", type=int, default=None,
+              help="Context length in tokens (default and upper bound: the export's).")
+@click.option("--context-policy", type=click.Choice(["error", "sliding_window"]), default="error",
+              show_default=True, help="What happens when the context is full.")
+@click.option("--stop", "stops", multiple=True, help="Stop string (repeatable).")
 def generate_cmd(folder, prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, chat,
-                 threads):
+                 threads, max_length, context_policy, stops):
     """Stream a completion of PROMPT from an exported FOLDER (runtime only, no torch)."""
     import runtime
 
-    with runtime.load(folder, threads=threads) as sess:
+    with runtime.load(folder, threads=threads, max_length=max_length,
+                      context_policy=context_policy) as sess:
         for piece in sess.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                 top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, chat=chat):
+                                 top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, chat=chat,
+                                 stop=list(stops) or None):
             click.echo(piece, nl=False)
     click.echo()
 
@@ -413,7 +424,7 @@ def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets
     rep = profile(folder, device_name, prompt_len=prompt_len, gen_len=gen_len, repeat=repeat,
                   sweep=True if sweep else None, targets=list(targets) or None, out_dir=out_dir)
     md = rep.to_markdown()
-    _console().print(md)
+    click.echo(md)          # Markdown as is: no terminal-width wrapping, no rich markup
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "profile.md").write_text(md)

@@ -372,7 +372,7 @@ class Session:
         """
         res = None
         for res, _ in self._iter(prompt, max_new_tokens, temperature, top_k, top_p,
-                                 repetition_penalty, stop, seed, chat):
+                                 repetition_penalty, stop, seed, chat)[0]:
             pass
         return res
 
@@ -380,15 +380,27 @@ class Session:
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                repetition_penalty: float = 1.0, stop: Optional[list] = None,
                seed: Optional[int] = None, chat: bool = False) -> Iterator[str]:
-        """Yield text pieces as they are generated (one prompt). Same tokens as
-        :meth:`generate` for the same arguments and seed."""
-        if not isinstance(prompt, str) and len(prompt) and not isinstance(prompt[0], (int, np.integer)):
+        """Yield text pieces as they are generated (one prompt, or one conversation as a
+        list of ``{"role", "content"}`` messages). Same tokens as :meth:`generate` for the
+        same arguments and seed. Arguments are checked at the call (same errors as
+        :meth:`generate`); the session serves nothing else in this thread until the
+        iterator is exhausted or closed.
+
+        Raises:
+            GenerationError: a batch (use :meth:`generate`), or as :meth:`generate`.
+        """
+        if isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) and \
+                not isinstance(prompt[0], (int, np.integer, dict)):
             raise GenerationError("stream() takes one prompt", "use generate() for a batch")
+        gen, stop = self._iter(prompt, max_new_tokens, temperature, top_k, top_p,
+                               repetition_penalty, stop, seed, chat, streaming=True)
+        return self._stream_text(gen, stop)
+
+    def _stream_text(self, gen, stop: list[str]) -> Iterator[str]:
         dec = self.tokenizer.incremental_decoder()
         emitted, n = "", 0
-        hold = max((len(s) for s in (stop or []) if s), default=1) - 1
-        for res, final in self._iter(prompt, max_new_tokens, temperature, top_k, top_p,
-                                     repetition_penalty, stop, seed, chat, streaming=True):
+        hold = max((len(s) for s in stop), default=1) - 1
+        for res, final in gen:
             ids = res.token_ids[0]
             for t in ids[n:]:
                 dec.push(t)
@@ -413,13 +425,15 @@ class Session:
                 f"prompt ({max(lens)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"context max_length={self.max_length}",
                 "lower max_new_tokens, shorten the prompt, load with a larger max_length, or "
-                "use context_policy='sliding_window'")
+                "use context_policy='sliding_window' (CLI: --max-length, --context-policy "
+                "sliding_window)")
 
     def _iter(self, prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty,
               stop, seed, chat, streaming=False):
         if self._closed:
             raise GenerationError("the session is closed", "load the folder again")
-        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+                or max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be a positive integer, got "
                                   f"{max_new_tokens!r}", "pass e.g. max_new_tokens=128")
         sampler = Sampler(temperature, top_k, top_p, repetition_penalty, seed)
@@ -434,6 +448,10 @@ class Session:
                                   "pass e.g. stop=['\\n\\n']")
         stop = [x for x in (stop or []) if x]
         need = max(lens) + int(max_new_tokens)
+        # arguments are checked now (an error at the call, not at the first next())
+        return self._locked(prompts, int(max_new_tokens), sampler, stop, streaming, need), stop
+
+    def _locked(self, prompts, max_new, sampler, stop, streaming, need):
         me = threading.get_ident()
         if not self._lock.acquire(blocking=self._stream_thread != me):
             raise GenerationError("a stream() on this session is still open in this thread",
@@ -441,7 +459,7 @@ class Session:
         try:
             if streaming:
                 self._stream_thread = me
-            yield from self._loop(prompts, int(max_new_tokens), sampler, stop, streaming, need)
+            yield from self._loop(prompts, max_new, sampler, stop, streaming, need)
         finally:
             if streaming:
                 self._stream_thread = None

@@ -201,7 +201,8 @@ class Tokenizer:
         """
         if not self.chat_template:
             raise GenerationError("this tokenizer has no chat template",
-                                  "pass a plain prompt, or export from a model whose tokenizer has one")
+                                  "pass a plain prompt with chat=False (CLI: --no-chat), or export from a "
+                                  "model whose tokenizer has one")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise GenerationError("messages must be a list of {'role': ..., 'content': ...} dicts",
                                   "e.g. [{'role': 'user', 'content': 'Hello'}]")

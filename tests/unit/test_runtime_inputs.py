@@ -67,6 +67,16 @@ def test_check_memory_names_the_size_and_the_fix():
 
 def test_suspended_stream_raises_instead_of_hanging(folder):
     with runtime.load(folder) as s:
+        # argument errors come at the call, not at the first next()
+        with pytest.raises(GenerationError, match="temperature"):
+            s.stream("abc", temperature=-1)
+        with pytest.raises(GenerationError, match="max_new_tokens"):
+            s.stream("abc", max_new_tokens=True)
+        assert "".join(s.stream([{"role": "user", "content": "hi"}], max_new_tokens=3)) == \
+            s.generate([{"role": "user", "content": "hi"}], max_new_tokens=3).texts[0]
+        s.eos_token_ids = []
+        full = s.generate("abc", max_new_tokens=12).texts[0]
+        assert "".join(s.stream("abc", max_new_tokens=12, stop=full[2:4])) == full[:full.find(full[2:4])]
         it = s.stream("abc", max_new_tokens=20)
         next(it)
         with pytest.raises(GenerationError, match="stream.*still open"):
