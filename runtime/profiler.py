@@ -593,6 +593,8 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
         threads = cores
     if sweep is True:
         sweep_list = [c for c in DEFAULT_SWEEP if c + SWEEP_NEW_TOKENS <= export_max]
+        if export_max - SWEEP_NEW_TOKENS > (sweep_list or [0])[-1]:
+            sweep_list.append(export_max - SWEEP_NEW_TOKENS)      # up to the export's context
     elif sweep:
         sweep_list = sorted({int(c) for c in sweep})
         bad = [c for c in sweep_list if c < 1 or c + SWEEP_NEW_TOKENS > export_max]

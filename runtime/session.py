@@ -419,7 +419,8 @@ class Session:
                 emitted = text
 
     def _check_room(self, lens: list[int], max_new_tokens: int) -> None:
-        need = max(lens) + max_new_tokens
+        # the last new token is sampled, never fed back: prompt + max_new_tokens - 1 cached
+        need = max(lens) + max_new_tokens - 1
         if need > self.max_length and self.context_policy == "error":
             raise GenerationError(
                 f"prompt ({max(lens)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "

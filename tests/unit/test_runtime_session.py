@@ -138,6 +138,15 @@ def test_context_overflow_policies(folders):
             s.generate(rand_ids(20)[0].tolist(), max_new_tokens=20)
         with pytest.raises(GenerationError, match="max_length=32"):
             s.generate(rand_ids(40)[0].tolist(), max_new_tokens=1)
+        with pytest.raises(GenerationError, match="max_length=32"):
+            s.generate(rand_ids(20)[0].tolist(), max_new_tokens=14)     # 33 cached
+        # exactly full: 20 + 13 new = 32 cached tokens (the 13th is never fed back)
+        ids = rand_ids(20, seed=5)[0].tolist()
+        full = s.generate(ids, max_new_tokens=13)
+        with runtime.load(f["fused"]) as roomy:             # 160-token context
+            roomy.eos_token_ids = []
+            assert full.token_ids == roomy.generate(ids, max_new_tokens=13).token_ids
+        assert len(s.generate(rand_ids(32)[0].tolist(), max_new_tokens=1).token_ids[0]) == 1
     with runtime.load(f["fused"], max_length=32, context_policy="sliding_window") as s:
         s.eos_token_ids = []
         ids = rand_ids(20, seed=3)[0].tolist()
