@@ -282,7 +282,7 @@ class ProfileReport:
             out += ["", f"GPU: {'available' if self.gpu['available'] else 'NOT available'} — {why}"]
         if self.sweep:
             out += ["", "Context sweep (measured):", "",
-                    "| context (tokens) | decode step ms (median) | decode tok/s | RSS (MiB) | KV K+V (MiB) |",
+                    "| context (tokens) | decode step ms (median) | decode tok/s | RSS after the run (MiB) | KV K+V (MiB) |",
                     "|---|---|---|---|---|"]
             out += [f"| {s['context']} | {s['decode_step_ms']:.2f} | {s['decode_tok_s']:.1f} | "
                     f"{s['rss_bytes'] / MiB:.1f} | {s['kv_bytes'] / MiB:.2f} |" for s in self.sweep]

@@ -148,8 +148,8 @@ class Session:
         data = self.folder / "model.onnx.data"
         want = self.meta.get("data_bytes")
         if isinstance(want, int) and data.is_file() and data.stat().st_size != want:
-            raise RuntimeLoadError(f"{data} is truncated or altered ({data.stat().st_size / 1e6:.1f} MB, "
-                                   f"the export wrote {want / 1e6:.1f} MB)",
+            raise RuntimeLoadError(f"{data} is truncated or altered ({data.stat().st_size:,} bytes, "
+                                   f"the export wrote {want:,})",
                                    "copy the folder again, or re-run `edgeprune export`")
         _small_page_cache(self.folder / "model.onnx.data", self.meta.get("row_read_ranges"))
         try:
@@ -305,7 +305,8 @@ class Session:
         if (lens == 0).any():
             raise GenerationError("a row of attention_mask has no real token",
                                   "drop empty rows")
-        with self._lock:
+        self._acquire()
+        try:
             if not self.fused:
                 pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
                 cache = ConcatKVCache(self.kv, B, self.device)
@@ -322,6 +323,15 @@ class Session:
                 n = int(lens[b])
                 out[b, S - n:] = full[b, :n]
             return out
+        finally:
+            self._lock.release()
+
+    def _acquire(self) -> None:
+        """Take the session lock: waits for another thread's call, raises when a
+        suspended ``stream()`` of this very thread holds it (waiting would never end)."""
+        if not self._lock.acquire(blocking=self._stream_thread != threading.get_ident()):
+            raise GenerationError("a stream() on this session is still open in this thread",
+                                  "exhaust it or call its .close() first (or use a second session)")
 
     def _run_fused(self, ids, seqlens_k, total, keep, cache: SharedKVCache) -> np.ndarray:
         bd = self.sess.io_binding()
@@ -454,9 +464,7 @@ class Session:
 
     def _locked(self, prompts, max_new, sampler, stop, streaming, need):
         me = threading.get_ident()
-        if not self._lock.acquire(blocking=self._stream_thread != me):
-            raise GenerationError("a stream() on this session is still open in this thread",
-                                  "exhaust it or call its .close() first (or use a second session)")
+        self._acquire()
         try:
             if streaming:
                 self._stream_thread = me
@@ -652,15 +660,16 @@ KV_CHUNK = 256
 
 
 def _check_memory(nbytes: int, what: str, fix: str) -> None:
-    """Raise :class:`GenerationError` when ``nbytes`` exceed the memory the OS reports
-    available now (``MemAvailable`` in ``/proc/meminfo``; no check where it is absent),
-    instead of letting the OOM killer end the process."""
+    """Raise :class:`GenerationError` when ``nbytes`` exceed 90 % of the memory the OS
+    reports available now (``MemAvailable`` in ``/proc/meminfo``; no check where it is
+    absent; the rest is headroom for activations), instead of letting the OOM killer end
+    the process."""
     try:
         with open("/proc/meminfo") as f:
             avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         return
-    if nbytes > avail:
+    if nbytes > 0.9 * avail:
         raise GenerationError(f"{what} needs {nbytes / 2**20:.0f} MiB, more than the "
                               f"{avail / 2**20:.0f} MiB available", fix)
 

@@ -81,6 +81,8 @@ def test_suspended_stream_raises_instead_of_hanging(folder):
         next(it)
         with pytest.raises(GenerationError, match="stream.*still open"):
             s.generate("ab", max_new_tokens=2)
+        with pytest.raises(GenerationError, match="stream.*still open"):
+            s.logits(np.array([[1, 2, 3]]))
         it.close()
         assert len(s.generate("ab", max_new_tokens=2).token_ids[0]) >= 1
 
@@ -154,7 +156,7 @@ def test_truncated_weight_file_is_named(tmp_path):
     shutil.copytree(folder, bad)
     data = (bad / "model.onnx.data").read_bytes()
     (bad / "model.onnx.data").write_bytes(data[: len(data) // 2])
-    with pytest.raises(RuntimeLoadError, match="truncated.*re-run `edgeprune export`"):
+    with pytest.raises(RuntimeLoadError, match=r"truncated.*\(\d[\d,]* bytes, the export wrote [\d,]+\).*re-run `edgeprune export`"):
         runtime.load(bad)
 
 
