@@ -30,9 +30,13 @@ def folder(tmp_path_factory):
 
 
 def test_kv_buffers_sized_per_call_and_reused(folder, monkeypatch):
-    """The KV buffers hold prompt + max_new_tokens rounded up to 256 tokens (capped at
-    max_length), not the whole context for every row; a later call that fits reuses
+    """Above FULL_KV_BYTES the KV buffers hold prompt + max_new_tokens rounded up to 256
+    tokens (capped at max_length), not the whole context for every row; a later call that fits reuses
     them, a longer one replaces them; the size is checked against available memory."""
+    with runtime.load(folder) as s:                  # a small cache spans the whole context
+        s.generate([5, 6, 7], max_new_tokens=4)
+        assert s._caches[1].arrays[0].shape[2] == 600
+    monkeypatch.setattr(rs, "FULL_KV_BYTES", 0)       # as if the whole context were large
     asked = []
     real = rs._check_memory
     monkeypatch.setattr(rs, "_check_memory", lambda n, what, fix: asked.append(n) or real(n, what, fix))
