@@ -160,9 +160,8 @@ def row_read_ranges(proto, placed: dict[str, tuple[int, int]]) -> list[list[int]
     (``runtime.session._small_page_cache``); every other initializer is read whole by
     onnxruntime's pre-packing (or folded into a copy) and then dropped from memory.
     """
-    inits = {t.name for t in proto.graph.initializer}
     names = {n.input[0] for n in proto.graph.node
-             if n.op_type == "Gather" and n.input and n.input[0] in inits and n.input[0] in placed}
+             if n.op_type == "Gather" and n.input and n.input[0] in placed}
     out: list[list[int]] = []
     for off, length in sorted(placed[n] for n in names):
         if out and off <= out[-1][0] + out[-1][1] + DATA_ALIGN:

@@ -568,8 +568,8 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
         raise GenerationError(f"sweep must be True or a list of context lengths, got {sweep!r}",
                               "pass e.g. sweep=[128, 512, 1024] (CLI: --sweep for the default list)")
     prof = devices.load_profile(profile_name_or_obj, measure=False)
-    for name in targets or []:      # a typo fails now, not after the measurement
-        devices.load_profile(name, measure=False)
+    # target profiles loaded now: a typo fails before the measurement, not after it
+    tgts = None if targets is None else [devices.load_profile(n, measure=False) for n in targets]
     try:
         meta = json.loads((folder / "edgeprune.json").read_text())
     except (OSError, ValueError):
@@ -624,12 +624,11 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
     host = dataclasses.replace(devices.load_profile("cpu-host", measure=False), threads=threads,
                                bandwidth_gbs=host_fig["bandwidth_gbs"], peak_fp32_gflops=host_fig["peak_fp32_gflops"],
                                peak_int8_gops=host_fig["peak_int8_gops"], measured=True)
-    if targets is None:
-        targets = [prof.name] if not prof.is_host else [p.name for p in devices.list_profiles() if not p.is_host]
+    if tgts is None:
+        tgts = [prof] if not prof.is_host else [p for p in devices.list_profiles() if not p.is_host]
     projected = {}
     if device == "cpu":
-        for name in targets:
-            tgt = devices.load_profile(name, measure=False)
+        for tgt in tgts:
             if tgt.is_host:
                 continue
             projected[tgt.name] = _project_one(measured, sweep_rows, work, host, tgt, prompt_len, gen_len)

@@ -148,11 +148,12 @@ class Session:
         so = self._session_options()
         data = self.folder / "model.onnx.data"
         want = self.meta.get("data_bytes")
-        if isinstance(want, int) and data.is_file() and data.stat().st_size != want:
-            raise RuntimeLoadError(f"{data} is truncated or altered ({data.stat().st_size:,} bytes, "
+        have = data.stat().st_size if isinstance(want, int) and data.is_file() else want
+        if have != want:
+            raise RuntimeLoadError(f"{data} is truncated or altered ({have:,} bytes, "
                                    f"the export wrote {want:,})",
                                    "copy the folder again, or re-run `edgeprune export`")
-        _small_page_cache(self.folder / "model.onnx.data", self.meta.get("row_read_ranges"))
+        _small_page_cache(data, self.meta.get("row_read_ranges"))
         try:
             self.sess = ort.InferenceSession(str(self.folder / "model.onnx"), so,
                                              providers=_providers(device, sparse))
@@ -291,8 +292,7 @@ class Session:
         Raises:
             GenerationError: ``S`` exceeds ``max_length`` or a row has no real token.
         """
-        if self._closed:
-            raise GenerationError("the session is closed", "load the folder again")
+        self._check_open()
         ids = np.asarray(input_ids, dtype=np.int64)
         if ids.ndim == 1:
             ids = ids[None]
@@ -429,7 +429,9 @@ class Session:
                 yield text[len(emitted):]
                 emitted = text
 
-    def _check_room(self, lens: list[int], max_new_tokens: int) -> None:
+    def _check_room(self, lens: list[int], max_new_tokens: int) -> int:
+        """Tokens a row's cache must hold; raises when that exceeds ``max_length`` under
+        the ``"error"`` policy."""
         # the last new token is sampled, never fed back: prompt + max_new_tokens - 1 cached
         need = max(lens) + max_new_tokens - 1
         if need > self.max_length and self.context_policy == "error":
@@ -439,19 +441,22 @@ class Session:
                 "lower max_new_tokens, shorten the prompt, load with a larger max_length, or "
                 "use context_policy='sliding_window' (CLI: --max-length, --context-policy "
                 "sliding_window)")
+        return need
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise GenerationError("the session is closed", "load the folder again")
 
     def _iter(self, prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty,
               stop, seed, chat, streaming=False):
-        if self._closed:
-            raise GenerationError("the session is closed", "load the folder again")
+        self._check_open()
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
                 or max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be a positive integer, got "
                                   f"{max_new_tokens!r}", "pass e.g. max_new_tokens=128")
         sampler = Sampler(temperature, top_k, top_p, repetition_penalty, seed)
         prompts, batched = self._encode(prompt, chat)
-        lens = [len(p) for p in prompts]
-        self._check_room(lens, int(max_new_tokens))
+        need = self._check_room([len(p) for p in prompts], int(max_new_tokens))
         if isinstance(stop, str):
             stop = [stop]
         if stop is not None and (not isinstance(stop, (list, tuple))
@@ -459,7 +464,6 @@ class Session:
             raise GenerationError(f"stop must be a string or a list of strings, got {stop!r}",
                                   "pass e.g. stop=['\\n\\n']")
         stop = [x for x in (stop or []) if x]
-        need = max(lens) + int(max_new_tokens)
         # arguments are checked now (an error at the call, not at the first next())
         return self._locked(prompts, int(max_new_tokens), sampler, stop, streaming, need), stop
 
