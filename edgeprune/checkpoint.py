@@ -223,6 +223,10 @@ def _is_tied(model) -> bool:
 
 
 def _method_name(recipe: Any, provenance: dict) -> str:
+    """``"gptq"``, ``"sparsegpt+gptq"``...: the method(s) of a recipe dict, or the
+    provenance's ``method`` (a name, or a recipe dict named the same way)."""
+    if isinstance(provenance.get("method"), dict):
+        return _method_name(provenance["method"], {})
     if provenance.get("method"):
         return str(provenance["method"])
     if isinstance(recipe, dict):
@@ -276,7 +280,13 @@ def _source_dir(model, provenance: dict) -> list[Path]:
     return out
 
 
-def _check_out_dir(out: Path, sources: list[Path], run_id: str, overwrite: bool) -> None:
+def check_out_dir(out: Path, sources: list[Path], overwrite: bool, run_id: str = "") -> None:
+    """Refuse a checkpoint folder that is, holds or lies in a source model folder, or a
+    non-empty folder holding another run (``run_id`` differs) without ``overwrite``.
+
+    Raises:
+        CheckpointError: naming the folder and the fix.
+    """
     for src in sources:
         if out == src or src in out.parents:
             raise CheckpointError(f"refusing to write the checkpoint into the input model folder {src}",
@@ -375,7 +385,7 @@ def save_checkpoint(model, tokenizer, result=None, out_dir: str | os.PathLike = 
     run_id = _run_id(format, recipe, provenance)
 
     out = Path(out_dir).expanduser().resolve()
-    _check_out_dir(out, _source_dir(model, provenance), run_id, overwrite)
+    check_out_dir(out, _source_dir(model, provenance), overwrite, run_id)
 
     modules = dict(model.named_modules())
     for name in list(quantized) + list(masks):

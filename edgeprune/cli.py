@@ -82,7 +82,7 @@ def method_options(f):
         click.option("--method", type=click.Choice(METHODS), default=None,
                      help="Compression method (default for run: the best-w4 preset, GPTQ int4 g64 with 8-bit v_proj and first-layer down_proj)."),
         click.option("--recipe", type=click.Path(dir_okay=False), default=None,
-                     help="TOML/YAML recipe file chaining methods, or a preset name such as best-w4 (overrides --method)."),
+                     help="TOML/YAML recipe file chaining methods, or a preset name such as best-w4 (it fixes the method and its settings: not with --method, --bits, --group-size, --sym, --sparsity or --pattern)."),
         click.option("--bits", type=int, default=None, help="Quantization bits: 2, 3, 4 or 8."),
         click.option("--group-size", type=int, default=None, help="Quantization group size (-1 = per row)."),
         click.option("--sym/--asym", default=None, help="Symmetric or asymmetric grid."),
@@ -173,6 +173,10 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
     if outp.exists() and (not outp.is_dir() or any(outp.iterdir())) and not overwrite:
         raise EdgePruneError(f"output folder {out_dir} already exists and is not empty",
                              "choose another --out, or pass --overwrite to replace it")
+    local = Path(model).expanduser()
+    if local.exists():                        # the input model's folder: refused before any work
+        ckpt.check_out_dir(outp.expanduser().resolve(),
+                           [(local.parent if local.is_file() else local).resolve()], overwrite)
     con = _console()
     m, tok, src = load_model(model, return_source=True, device=device)
     check_recipe(m, rec)                     # shapes vs recipe before calibrating
@@ -196,7 +200,8 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
 
 @cli.command("eval")
 @click.argument("model")
-@click.option("--text", default=None, help="Text file (default: embedded held-out text).")
+@click.option("--text", default=None, help="Text file: plain UTF-8, .jsonl ({\"text\": ...} per line) "
+                                          "or .parquet ('text' column) (default: embedded held-out text).")
 @click.option("--seqlen", type=int, default=512, show_default=True)
 @click.option("--nwindows", type=int, default=40, show_default=True, help="0 = the whole text.")
 @click.option("--dense", "dense_ref", default=None, help="Reference model for KL / top-1 agreement.")
@@ -257,7 +262,8 @@ def _load_any(source: str, threads=None):
 @click.argument("checkpoint")
 @click.argument("out")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "int4"]), default=None,
-              help="Default: int4 for quantized checkpoints, fp32 otherwise.")
+              help="Default: int4 for quantized checkpoints, fp32 otherwise (fp32/fp16 of a "
+                   "quantized checkpoint: its dequantized weights, no int codes).")
 @click.option("--sparse-24", is_flag=True, help="Require and record an exact 2:4 pattern.")
 @click.option("--compact-24", is_flag=True, help="Store 2:4 weights as values + 2-bit positions.")
 @click.option("--graph", type=click.Choice(["fused", "plain"]), default="fused", show_default=True)
@@ -297,6 +303,17 @@ def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head
     from . import checkpoint as ckpt
     from .models import load_model
 
+    # numeric options first: a bad one is an error now, not after loading or calibrating
+    exporters.check_export_args(precision or "int4", group_size, accuracy_level, max_length)
+    levels = _parse_levels(accuracy_levels)
+    if (k_keep is not None or leank_mask) and act_sparsity is not None:
+        raise ConfigError(f"{'--k-keep' if k_keep is not None else '--leank-mask'} and "
+                          "--act-sparsity cannot be combined in one export yet",
+                          "export LeanK and COUNTDOWN variants separately")
+    if leank_mask and k_keep is not None:
+        raise ConfigError("--leank-mask and --k-keep both given: the mask already fixes the "
+                          "kept channels", "pass --leank-mask alone, or --k-keep alone to "
+                          "learn a new mask")
     p = Path(checkpoint)
     quantized, sparsity, prov = None, None, {"source": checkpoint}
     if p.is_dir() and ckpt.is_edgeprune_checkpoint(p):
@@ -310,14 +327,14 @@ def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head
     precision = precision or ("int4" if quantized else "fp32")
     kwargs = dict(precision=precision, quantized=quantized, sparsity=sparsity, sparse_24=sparse_24,
                   compact_24=compact_24, graph=graph, lm_head=lm_head, accuracy_level=accuracy_level,
-                  accuracy_levels=_parse_levels(accuracy_levels),
+                  accuracy_levels=levels,
                   group_size=group_size, max_length=max_length, provenance=prov, overwrite=overwrite)
-    if k_keep is not None and act_sparsity is not None:
-        raise ConfigError("--k-keep and --act-sparsity cannot be combined in one export yet",
-                          "export LeanK and COUNTDOWN variants separately")
     calib_ids = None
     if act_sparsity is not None:
+        from . import countdown as cd
         from .calibration import build_calibration
+
+        cd.check_act_sparsity(act_sparsity)      # before minutes of calibration
 
         calib_ids = build_calibration(tok, calib, nsamples=16, seqlen=512, model=model).input_ids
     if k_keep is not None or leank_mask:

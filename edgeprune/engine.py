@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .errors import CalibrationError, ConfigError, EdgePruneError, UnsupportedArchitectureError
+from .models import check_device
 from .methods import get_method
 from .methods.base import InputStats, LayerResult, LayerTask, relative_error
 from .methods.magnitude import Magnitude
@@ -437,8 +438,9 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
 
     Raises:
         ConfigError: invalid recipe or a layer shape the recipe cannot handle (raised
-            before any weight changes).
-        CalibrationError: empty or malformed calibration ids / mask.
+            before any weight changes); a ``device`` not available here.
+        CalibrationError: empty or malformed calibration ids / mask, ids outside the
+            model's vocabulary.
         UnsupportedArchitectureError: decoder blocks not found.
 
     Numerical trouble in one layer (singular Hessian, NaN/zero activations, a method
@@ -463,7 +465,14 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
                                    "pass 1 for real tokens and 0 for padding")
     if batch_size < 1:
         raise ConfigError(f"batch_size={batch_size} must be >= 1", "use e.g. 8")
-    device = torch.device(device)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(emb, "num_embeddings", None)
+    if vocab is not None and calib_ids.numel() and \
+            (int(calib_ids.max()) >= vocab or int(calib_ids.min()) < 0):
+        raise CalibrationError(f"calibration ids span {int(calib_ids.min())}..{int(calib_ids.max())} "
+                               f"but the model's vocabulary has {vocab} tokens",
+                               "tokenize the calibration text with this model's tokenizer")
+    device = check_device(device)
 
     result = CompressionResult(recipe=recipe.to_dict(),
                                calibration={"nsamples": int(calib_ids.shape[0]),

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -100,18 +101,29 @@ def _is_file(text: str) -> bool:
 def resolve_text(text: str | Path | None) -> tuple[str, str]:
     """Return ``(text, description)`` for a file path, a literal string or None (default held-out).
 
+    Files: plain UTF-8 text, ``.jsonl`` (one ``{"text": ...}`` per line) or ``.parquet``
+    (a ``text`` column), documents joined by a blank line, as for calibration.
+
     Raises:
-        CalibrationError: a path-like string (``.txt``/``.raw`` or containing ``/`` and
-            short) that does not exist, or an unreadable file.
+        CalibrationError: a path-like string (one short word with ``/`` or a file
+            extension, e.g. ``notes.md``) that does not exist, or an unreadable file.
     """
     if text is None or str(text) == "default":
         return default_text("heldout"), "default:pydoc_data.topics[heldout]"
     if isinstance(text, Path) or _is_file(text):
         p = Path(text).expanduser()
+        if not p.is_file():
+            raise CalibrationError(f"evaluation text file {p} does not exist", "check the path")
+        if p.suffix in (".jsonl", ".parquet"):
+            from .calibration import load_documents
+            return "\n\n".join(load_documents(p)[0]), str(p)
         return read_text_file(p), str(p)
-    if len(text) < 512 and "\n" not in text and (text.endswith((".txt", ".raw", ".jsonl")) or "/" in text):
-        raise CalibrationError(f"evaluation text file {text} does not exist", "check the path")
-    return str(text), "literal string"
+    t = str(text)
+    if len(t) < 512 and not any(c.isspace() for c in t) and \
+            ("/" in t or os.sep in t or Path(t).suffix[1:].isalnum()):
+        raise CalibrationError(f"evaluation text file {t} does not exist",
+                               "check the path (a literal text to score has spaces)")
+    return t, "literal string"
 
 
 def _tokenizer_name(tokenizer) -> str:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ModelLoadError, UnsupportedArchitectureError
+from .errors import ConfigError, ModelLoadError, UnsupportedArchitectureError
 
 #: model_type values (``config.json``) that edgeprune compresses and exports.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -178,6 +178,35 @@ def _read_model_type(config_path: Path) -> str:
                              "point to a Hugging Face model folder with a valid config.json") from None
 
 
+def check_device(device) -> "torch.device":
+    """``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device``) as a
+    ``torch.device`` that exists here.
+
+    Raises:
+        ConfigError: an unknown device name, or CUDA asked for where torch sees no GPU
+            (a CPU-only torch build or no driver).
+    """
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device {device!r} is unknown", "use cpu or cuda (cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if torch.version.cuda is None else \
+                "torch sees no CUDA GPU or driver"
+            raise ConfigError(f"device {device!r} asked for, but {why}",
+                              "use --device cpu (device='cpu'), or run on a GPU machine with a CUDA "
+                              "build of torch")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device!r}: only {torch.cuda.device_count()} CUDA GPU(s) here",
+                              "use cuda:0 .. cuda:N-1")
+    elif dev.type != "cpu":
+        raise ConfigError(f"device {device!r} is not supported", "use cpu or cuda")
+    return dev
+
+
 def load_model(source: str | os.PathLike = "smollm2-135m", *, dtype=None, device: str = "cpu",
                trust_remote_code: bool = False, use_cache: bool = True, return_source: bool = False):
     """Load a causal LM and its tokenizer from an alias, a GGUF file, a folder or a hub id.
@@ -197,7 +226,9 @@ def load_model(source: str | os.PathLike = "smollm2-135m", *, dtype=None, device
     Raises:
         ModelLoadError: missing/corrupt file, unreachable hub id, missing alias package.
         UnsupportedArchitectureError: not one of :data:`SUPPORTED_ARCHITECTURES`.
+        ConfigError: a ``device`` that does not exist here (:func:`check_device`).
     """
+    check_device(device)                 # before a load that may take minutes
     import torch
 
     dtype = dtype or torch.float32

@@ -127,12 +127,25 @@ def build_recipe(cfg: RunConfig):
     ``method`` (default :data:`DEFAULT_METHOD`'s) with the given settings.
 
     Raises:
-        ConfigError: unknown method or a setting the method does not take.
+        ConfigError: unknown method or a setting the method does not take; method
+            settings given beside a recipe (which fixes them all); ``sparsity`` beside an
+            N:M pattern (which fixes the sparsity at 1 - N/M).
     """
     from .recipe import Recipe, method_config_from_name
 
+    _OPT = {"prune_n": "pattern", "prune_m": "pattern"}
     if cfg.recipe:
+        given = sorted({"--" + _OPT.get(k, k).replace("_", "-") for k in ("method",) + METHOD_SETTINGS
+                        if getattr(cfg, k) is not None})
+        if given:
+            raise ConfigError(f"--recipe fixes the method and its settings; {', '.join(given)} "
+                              "would be ignored", "edit the recipe (or copy a preset from "
+                              "edgeprune/recipes/ and edit it), or drop --recipe")
         return Recipe.from_file(resolve_recipe(cfg.recipe))
+    if cfg.sparsity is not None and (cfg.prune_n is not None or cfg.prune_m is not None):
+        raise ConfigError(f"--sparsity {cfg.sparsity} and --pattern {cfg.prune_n}:{cfg.prune_m} "
+                          "both given: an N:M pattern fixes the sparsity at 1 - N/M",
+                          "pass --pattern alone (2:4 = 50%), or --sparsity alone (unstructured)")
     if cfg.method is None and all(getattr(cfg, k) is None for k in METHOD_SETTINGS):
         return Recipe.from_file(resolve_recipe(DEFAULT_RECIPE))
     ms = cfg.method_settings()
@@ -140,20 +153,36 @@ def build_recipe(cfg: RunConfig):
     return Recipe(stages=[method_config_from_name(name, **ms)], name=name)
 
 
-def _check_out(out: Path, fingerprint: str, overwrite: bool) -> None:
+def _check_out(out: Path, fingerprint: str, overwrite: bool, model: str | None = None) -> None:
+    """Refuse an output folder that would lose data: the input model's folder (or one
+    holding it or inside it), a folder of other files (even with ``overwrite``: only an
+    earlier run's folder, with its ``report.json``, is ever replaced), or a different
+    run without ``overwrite``."""
+    src = Path(model).expanduser() if model else None
+    if src is not None and src.exists():
+        src = (src.parent if src.is_file() else src).resolve()
+        if out == src or src in out.parents or out in src.parents:
+            raise CheckpointError(f"refusing to write the run into {out}: it is, holds or lies "
+                                  f"inside the input model folder {src}",
+                                  "choose an --out outside the model's folder")
     if not out.exists():
         return
     if not out.is_dir():
         raise CheckpointError(f"output path {out} exists and is not a folder", "choose another --out")
-    if not any(out.iterdir()):
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
         return
     rep = out / "report.json"
+    if not rep.is_file():
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise CheckpointError(f"output folder {out} holds files that are not an edgeprune run "
+                              f"({shown}); --overwrite only replaces an earlier run's folder",
+                              "choose another --out, or an empty or new folder")
     same = False
-    if rep.is_file():
-        try:
-            same = json.loads(rep.read_text()).get("fingerprint") == fingerprint
-        except (OSError, ValueError):
-            same = False
+    try:
+        same = json.loads(rep.read_text()).get("fingerprint") == fingerprint
+    except (OSError, ValueError, AttributeError):
+        same = False
     if not same and not overwrite:
         raise CheckpointError(f"output folder {out} already holds a different run",
                               "choose another --out, or pass --overwrite to replace it")
@@ -213,7 +242,8 @@ class RunReport:
         for metric, v in self.rows.items():
             d, c = v.get("dense"), v.get("compressed")
             ratio = f"{c / d:.3f}" if isinstance(d, (int, float)) and isinstance(c, (int, float)) and d else "—"
-            lines.append(f"| {metric} | {format_value(d)} | {format_value(c)} | {ratio} |")
+            cells = [metric, format_value(d), format_value(c), ratio]
+            lines.append("| " + " | ".join(str(x).replace("|", "\\|") for x in cells) + " |")
         p = self.protocol
         lines += ["", f"Perplexity protocol: {p.get('text_source')} (sha256 {str(p.get('text_sha256'))[:12]}…), "
                       f"no BOS, {p.get('nwindows')} windows x {p.get('seqlen')} tokens, "
@@ -274,7 +304,7 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
     cfg = cfg or RunConfig()
     out = Path(out_dir).expanduser().resolve()
     fp = cfg.fingerprint()
-    _check_out(out, fp, overwrite)
+    _check_out(out, fp, overwrite, cfg.model)
     recipe = build_recipe(cfg)
     recipe.validate()
     torch.set_num_threads(max(1, cfg.threads))
@@ -311,9 +341,9 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
         secs["evaluate"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        log("[4/6] saving the compressed checkpoint (compressed-tensors)")
-        prov = dict(method=recipe.to_dict(), source=src.to_dict(), calibration=cal.info, seed=cfg.seed)
         fmt = "compressed-tensors" if result.quantized else "dense"
+        log(f"[4/6] saving the compressed checkpoint ({fmt})")
+        prov = dict(method=recipe.to_dict(), source=src.to_dict(), calibration=cal.info, seed=cfg.seed)
         ckpt.save_checkpoint(model, tok, result, tmp / "checkpoint", format=fmt, provenance=prov)
         secs["save"] = time.perf_counter() - t
 
@@ -345,10 +375,10 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
             "perplexity": dict(dense=fid.ppl_dense, compressed=fid.ppl),
             "KL(dense||compressed) nats/token": dict(dense=0.0, compressed=fid.kl),
             "top-1 agreement": dict(dense=1.0, compressed=fid.top1_agree),
-            "model file (MB)": {k: _file_mb(ex.folder) for k, ex in exports.items()},
+            "model file (MiB)": {k: _file_mb(ex.folder) for k, ex in exports.items()},
             "time to first token (ms)": {k: v["ttft_ms"] for k, v in speed.items()},
             "decode tokens/s": {k: v["decode_tok_s"] for k, v in speed.items()},
-            "peak RSS (MB)": {k: v["peak_rss_mb"] for k, v in speed.items()},
+            "peak RSS (MiB)": {k: v["peak_rss_mb"] for k, v in speed.items()},
         }
         report = RunReport(
             out_dir=str(out), config=dict(cfg.__dict__), fingerprint=fp, rows=rows, samples=samples,

@@ -69,7 +69,8 @@ class ExportResult:
         return (f"exported {self.folder} ({self.model_bytes / 2**20:.1f} MiB model, "
                 f"{self.metadata.get('precision')}, graph {self.metadata.get('graph')}); "
                 f"onnx checker {p.get('onnx_checker', 'skipped')}, shape inference "
-                f"{p.get('shape_inference', 'skipped')}; {par}{head}")
+                f"{p.get('shape_inference', 'skipped')}; {par}{head}"
+                + (f"; weights {self.metadata['weights']}" if self.metadata.get("weights") else ""))
 
 
 def _source_dirs(model, provenance: Optional[dict]) -> list[Path]:
@@ -79,6 +80,30 @@ def _source_dirs(model, provenance: Optional[dict]) -> list[Path]:
         if cand and Path(str(cand)).is_dir():
             out.append(Path(str(cand)))
     return out
+
+
+def check_export_args(precision: str = "int4", group_size: int = 32, accuracy_level: int = 4,
+                      max_length: Optional[int] = None) -> None:
+    """Check :func:`export_onnx`'s numeric options before any work (the CLI calls it
+    before loading the model or calibrating).
+
+    Raises:
+        ExportError: ``accuracy_level`` not 0-4; ``group_size`` not a power of two >= 16
+            (int4 exports: ``MatMulNBits`` block sizes); ``max_length`` < 1.
+    """
+    if isinstance(accuracy_level, bool) or accuracy_level not in (0, 1, 2, 3, 4):
+        raise ExportError(f"accuracy_level={accuracy_level!r} is invalid",
+                          "use 4 (int8 activations, fast on CPU) or 0 (fp32 compute); 1-3 "
+                          "are onnxruntime's fp32/fp16/bf16 compute types")
+    if precision == "int4":
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 16 \
+                or group_size & (group_size - 1):
+            raise ExportError(f"group_size={group_size!r} cannot be a MatMulNBits block",
+                              "use a power of two >= 16, e.g. 32, 64 or 128")
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
+                                   or max_length < 1):
+        raise ExportError(f"max_length={max_length!r} is not a positive number of tokens",
+                          "pass e.g. max_length=2048, or leave it out for the model's context")
 
 
 def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
@@ -103,7 +128,9 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
         quantized: ``{"model.layers.0.self_attn.q_proj": QuantizedWeight-like}`` (codes
             uint8 [out,in], scales f32 [out,n_groups], zeros uint8, bits, group_size, sym,
             g_idx) packed as-is into ``MatMulNBits`` (GPTQ, Frantar et al. 2023; AWQ, Lin
-            et al. 2024). Giving it implies int codes even when ``precision="fp32"``.
+            et al. 2024). Used by ``int4`` exports only: with ``fp32``/``fp16`` the graph
+            holds the model's (dequantized) float weights, recorded as
+            ``"weights": "dequantized from the checkpoint's int codes"``.
         masks, sparsity: pruning info recorded in metadata (``{"pattern": "2:4", ...}``).
         sparse_24: assert and record the exact 2:4 pattern of every linear.
         compact_24: store 2:4 linears as non-zero values + 2-bit positions (expanded by
@@ -116,9 +143,10 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
             ``{"down_proj": 0}``: on SmolLM2-135M the int8 activations of ``down_proj``
             (SiLU(gate)*up, with outliers) carry most of level 4's perplexity cost; see the
             README for the measured trade-off.
-        group_size: RTN group size for linears quantized here.
-        max_length: context length the rotary caches cover (default: the config's
-            ``max_position_embeddings``, capped at 8192).
+        group_size: RTN group size for linears quantized here: a power of two >= 16
+            (``MatMulNBits`` block sizes).
+        max_length: context length in tokens the rotary caches and KV buffers cover
+            (>= 1; default: the config's ``max_position_embeddings``, capped at 8192).
         provenance: free-form dict stored in ``edgeprune.json``.
         overwrite: replace an existing ``out_dir``.
         validate: run ``onnx.checker``, shape inference and one-window parity.
@@ -148,6 +176,10 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
         raise ExportError(f"lm_head='{lm_head}' is unknown", "use fp, q8 or int4")
     if compact_24 and not sparse_24:
         sparse_24 = True
+    dequantized = bool(quantized) and precision != "int4"
+    if dequantized:        # a float graph: the model already holds the dequantized weights
+        quantized = {}
+    check_export_args(precision, group_size, accuracy_level, max_length)
     accuracy_levels = {str(k): int(v) for k, v in (accuracy_levels or {}).items()}
     for k, v in accuracy_levels.items():
         if v not in (0, 1, 2, 3, 4) or not k:
@@ -188,6 +220,13 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
         enable_compact(builder)
     proto = builder.build()
     t_build = time.perf_counter()
+    for k in accuracy_levels:           # a typo would otherwise change nothing, silently
+        if not any(n.endswith(k) for n in builder.accuracy_names):
+            shown = sorted({n.rsplit(".", 1)[-1] for n in builder.accuracy_names})
+            raise ExportError(f"accuracy level override {k!r} matches no MatMulNBits layer of "
+                              "this export", "use a layer-name suffix such as "
+                              + (", ".join(shown[:6]) if shown else
+                                 "down_proj (int4 exports only)"))
     weight_bytes = builder.g.weight_bytes()
     check_disk(out_dir.parent, weight_bytes)
     # external data: when asked, above 2 GB, or (auto) for int4 exports: onnxruntime
@@ -225,6 +264,7 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
             "layers": len(ints),
         },
         "lm_head": lm_head,
+        "weights": "dequantized from the checkpoint's int codes" if dequantized else None,
         "sparsity": sparse_info or (sparsity if sparsity else None),
         "sparse_24_speedup_claimed": False,
         "compact_24": bool(compact_24),
@@ -299,4 +339,4 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
                         metadata=metadata)
 
 
-__all__ = ["export_onnx", "ExportResult", "DecoderSpec", "BuildOptions", "BUILDERS"]
+__all__ = ["export_onnx", "check_export_args", "ExportResult", "DecoderSpec", "BuildOptions", "BUILDERS"]

@@ -163,6 +163,7 @@ class DecoderBuilder:
         self._rope = None
         self.compact_24_layers: list[str] = []
         self.int_weights: dict[str, IntWeight] = {}
+        self.accuracy_names: set[str] = set()     # MatMulNBits nodes built (override check)
 
     # ------------------------------------------------------------------ I/O
     def kv_names(self, i: int) -> tuple[str, str, str, str]:
@@ -302,6 +303,7 @@ class DecoderBuilder:
 
     def _accuracy_level(self, name: str) -> int:
         """:func:`accuracy_level_for` with this build's options."""
+        self.accuracy_names.add(name)
         return accuracy_level_for(name, self.opts.accuracy_level, self.opts.accuracy_levels)
 
     def _int_matmul(self, x: str, w: IntWeight, name: str) -> str:

@@ -79,6 +79,6 @@ def test_main_job_small(tmp_path):
     assert 0 < data["rows"]["KL(dense||compressed) nats/token"]["compressed"] < 1
     assert 0.5 < data["rows"]["top-1 agreement"]["compressed"] < 1
     assert data["rows"]["decode tokens/s"]["compressed"] > 1
-    assert data["rows"]["model file (MB)"]["compressed"] < 120
+    assert data["rows"]["model file (MiB)"]["compressed"] < 120
     assert rep.samples["compressed"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -1,0 +1,180 @@
+"""Bad input to compress / export / eval / run on a tiny saved model: a one-line error
+naming the fix, raised before any work, and nothing of the user's lost."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from edgeprune.cli import main
+
+from _h3_tiny import tiny_tokenizer
+
+CAL = ["--calib", "default", "--nsamples", "2", "--seqlen", "32"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny random llama + byte-level tokenizer saved as a Hugging Face folder."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    m = AutoModelForCausalLM.from_config(cfg).float().eval()
+    d = tmp_path_factory.mktemp("cli") / "tiny"
+    m.save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+def _run(argv, capsys):
+    code = main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def _one_line_error(code, err, *needles):
+    assert code != 0
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip() and "%|" not in ln]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_run_never_deletes_the_model_or_foreign_files(model_dir, tmp_path, capsys):
+    import shutil
+
+    victim = tmp_path / "victim"
+    shutil.copytree(model_dir, victim / "m")
+    (victim / "notes.txt").write_text("mine")
+    before = sorted(p.name for p in victim.rglob("*"))
+    # --out holds the model: refused even with --overwrite
+    code, _, err = _run(["run", "--model", victim / "m", "--method", "rtn", *CAL, "--out", victim,
+                         "--overwrite"], capsys)
+    _one_line_error(code, err, "input model folder")
+    code, _, err = _run(["run", "--model", victim / "m", "--method", "rtn", *CAL, "--out", victim / "m",
+                         "--overwrite"], capsys)
+    _one_line_error(code, err, "input model folder")
+    # a folder of other files: --overwrite only ever replaces an earlier run's folder
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "thesis.tex").write_text("years of work")
+    code, _, err = _run(["run", "--model", model_dir, "--method", "rtn", *CAL, "--out", other,
+                         "--overwrite"], capsys)
+    _one_line_error(code, err, "not an edgeprune run", "thesis.tex")
+    assert sorted(p.name for p in victim.rglob("*")) == before
+    assert (other / "thesis.tex").read_text() == "years of work"
+
+
+def test_compress_refuses_its_source_folder_before_calibrating(model_dir, capsys, monkeypatch):
+    import edgeprune.calibration as cal
+
+    def boom(*a, **k):
+        raise AssertionError("calibrated before checking --out")
+
+    monkeypatch.setattr(cal, "build_calibration", boom)
+    code, _, err = _run(["compress", model_dir, "--method", "rtn", *CAL, "--out", model_dir / "ck",
+                         "--overwrite"], capsys)
+    _one_line_error(code, err, "input model folder")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--recipe", "best-w4", "--bits", "8"], "--bits"),
+    (["--recipe", "best-w4", "--method", "gptq"], "--method"),
+    (["--method", "wanda", "--sparsity", "0.7", "--pattern", "2:4"], "1 - N/M"),
+    (["--method", "rtn", "--device", "cuda:7" if torch.cuda.is_available() else "cuda"], "cuda"),
+    (["--method", "rtn", "--device", "tpu"], "tpu"),
+])
+def test_compress_conflicting_or_impossible_options(model_dir, tmp_path, capsys, argv, needle):
+    code, _, err = _run(["compress", model_dir, *argv, *CAL, "--out", tmp_path / "ck"], capsys)
+    _one_line_error(code, err, needle)
+    assert not (tmp_path / "ck").exists()
+
+
+def test_checkpoint_records_the_method_name(model_dir, tmp_path, capsys):
+    code, _, err = _run(["compress", model_dir, "--method", "rtn", "--bits", "4", "--group-size", "32",
+                         *CAL, "--out", tmp_path / "ck"], capsys)
+    assert code == 0, err
+    rec = json.loads((tmp_path / "ck" / "edgeprune_checkpoint.json").read_text())
+    assert rec["method"] == "rtn"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--precision", "int4", "--group-size", "48"], "power of two"),
+    (["--precision", "int4", "--accuracy-level", "7"], "accuracy_level=7"),
+    (["--max-length", "0"], "max_length=0"),
+    (["--precision", "int4", "--accuracy-level-for", "dwn_proj=0"], "matches no MatMulNBits"),
+    (["--leank-mask", "mask.json", "--act-sparsity", "0.5"], "--leank-mask and --act-sparsity"),
+    (["--leank-mask", "mask.json", "--k-keep", "0.25"], "--leank-mask and --k-keep"),
+])
+def test_export_bad_options_are_one_line_errors(model_dir, tmp_path, capsys, argv, needle):
+    out = tmp_path / "onnx"
+    code, _, err = _run(["export", model_dir, out, *argv], capsys)
+    _one_line_error(code, err, needle)
+    assert list(tmp_path.iterdir()) == []            # no output, no temporary folder left
+
+
+def test_float_export_of_a_quantized_checkpoint_is_really_float(model_dir, tmp_path, capsys):
+    code, _, err = _run(["compress", model_dir, "--method", "rtn", "--bits", "4", "--group-size", "32",
+                         *CAL, "--out", tmp_path / "ck"], capsys)
+    assert code == 0, err
+    for prec in ("fp16", "fp32", "int4"):
+        out = tmp_path / prec
+        code, stdout, err = _run(["export", tmp_path / "ck", out, "--precision", prec,
+                                  "--max-length", "64"], capsys)
+        assert code == 0, err
+        g = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+        n = sum(nd.op_type == "MatMulNBits" and not nd.name.startswith("lm_head") for nd in g.node)
+        meta = json.loads((out / "edgeprune.json").read_text())
+        assert meta["precision"] == prec
+        if prec == "int4":
+            assert n >= 1 and meta["weights"] is None
+        else:
+            assert n == 0 and meta["quantization"] is None
+            assert meta["weights"] == "dequantized from the checkpoint's int codes"
+            assert "dequantized" in stdout
+
+
+def test_eval_text_missing_file_and_formats(model_dir, tmp_path, capsys):
+    code, _, err = _run(["eval", model_dir, "--text", tmp_path / "notes.md"], capsys)
+    _one_line_error(code, err, "does not exist")
+    code, _, err = _run(["eval", model_dir, "--text", "wiki.test"], capsys)
+    _one_line_error(code, err, "does not exist")
+    docs = ["The quick brown fox jumps over the lazy dog. " * 6, "Small models run on phones. " * 8]
+    (tmp_path / "e.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (tmp_path / "e.txt").write_text("\n\n".join(docs))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": docs}), tmp_path / "e.parquet")
+    ppl = {}
+    for ext in ("txt", "jsonl", "parquet"):
+        js = tmp_path / f"{ext}.json"
+        code, _, err = _run(["eval", model_dir, "--text", tmp_path / f"e.{ext}", "--seqlen", "64",
+                             "--nwindows", "2", "--json", js], capsys)
+        assert code == 0, err
+        rec = json.loads(js.read_text())
+        ppl[ext] = rec["ppl"]
+        assert rec["protocol"]["text_source"].endswith(f"e.{ext}")
+    # the same documents score the same whatever the file format
+    assert ppl["jsonl"] == pytest.approx(ppl["txt"], rel=1e-6)
+    assert ppl["parquet"] == pytest.approx(ppl["txt"], rel=1e-6)
+
+
+def test_report_markdown_table_escapes_pipes():
+    from edgeprune.pipeline import RunReport
+
+    rep = RunReport(out_dir="x", config={"model": "m", "prompt_len": 1, "gen_len": 2, "threads": 1,
+                                         "repeat": 1},
+                    fingerprint="f", rows={"KL(dense||compressed) nats/token": {"dense": 0.0,
+                                                                                "compressed": 0.1}},
+                    samples={}, compression={}, protocol={}, export={}, seconds={})
+    row = [ln for ln in rep.to_markdown().splitlines() if ln.startswith("| KL")][0]
+    # 4 cells: the escaped pipes are not column separators
+    assert len([c for c in row.replace("\\|", "").split("|") if c.strip()]) == 4
+    assert "KL(dense\\|\\|compressed)" in row
