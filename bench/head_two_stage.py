@@ -1,6 +1,8 @@
 """Two-stage ``lm_head`` on SmolLM2-135M: an int4 pass over the vocabulary, then the K best
 candidates rescored with the 8-bit rows. Measured and *rejected* as a default (README,
 "Where the 1-thread decode gap to llama.cpp is"); this script reproduces both sides.
+It also scores a *split* head (the ``hot`` rows with the most calibration probability
+mass kept 8-bit, the rest int4), rejected likewise.
 
 * **speed**: one-node-chain ONNX graphs of the head alone, random codes, SmolLM2's shape
   (``576 -> 49,152``): the shipped 8-bit ``MatMulNBits`` (block 64, asymmetric) vs
@@ -11,6 +13,9 @@ candidates rescored with the 8-bit rows. Measured and *rejected* as a default (R
   two-stage logits (int4 table by RTN g64 asym, or GPTQ g64 asym calibrated on C4
   validation hidden states): perplexity, KL(8-bit || two-stage) in nats/token, greedy
   (argmax) agreement and the 8-bit probability mass left outside the K candidates.
+  Split head (with the GPTQ table only): rows ranked by their mean softmax probability on
+  the C4 calibration hidden states, the ``hot`` best kept 8-bit; same metrics, ``tail_mass``
+  then being the test mass on the int4 rows.
 
 No peer runs a two-stage head: records carry ``peer``/``theirs`` null.
 
@@ -140,6 +145,7 @@ def quality(checkpoint: str, nwin: int, Ks, gptq: bool) -> list[tuple[str, str, 
         q, _ = gptq_quantize(W, X.T @ X / len(X), bits=4, group_size=64, act_order=True, static_groups=True)
         tables["gptq"] = q.dequantize().float().numpy()
     r = np.arange(len(h))[:, None]
+    rows += _split_rows(h, tgt, L8, P8, p8, tables, X if gptq else None, W)
     for name, W4 in tables.items():
         L4 = h @ W4.T
         rows.append((f"int4-{name}-alone", "ppl", float(np.exp((-_log_softmax(L4)[np.arange(len(h)), tgt]).mean()))))
@@ -154,6 +160,29 @@ def quality(checkpoint: str, nwin: int, Ks, gptq: bool) -> list[tuple[str, str, 
                      (case, "argmax_agreement", float((L.argmax(1) == L8.argmax(1)).mean())),
                      (case, "tail_mass", float((1 - p8[r, top].sum(1)).mean()))]
     return rows
+
+
+def _split_rows(h, tgt, L8, P8, p8, tables, X, W, hots=(4096, 16384)):
+    """Split-head cases: the ``hot`` rows with the most calibration mass from the 8-bit
+    table, the others from the int4 table (``X``: calibration hidden states ``[n, H]``)."""
+    if X is None:
+        return []
+    from exporters.int4 import rtn_int
+    W8 = _dequant(rtn_int(W.numpy(), 8, 64))
+    mass = np.exp(_log_softmax(X.numpy() @ W8.T)).mean(0)     # [V] mean probability
+    order, out = np.argsort(-mass), []
+    for name, W4 in tables.items():
+        L4 = h @ W4.T
+        for hot in hots:
+            L = L4.copy()
+            L[:, order[:hot]] = L8[:, order[:hot]]
+            P = _log_softmax(L)
+            case = f"split-{name}-hot{hot}"
+            out += [(case, "ppl", float(np.exp((-P[np.arange(len(h)), tgt]).mean()))),
+                    (case, "kl_nats", float((p8 * (P8 - P)).sum(1).mean())),
+                    (case, "argmax_agreement", float((L.argmax(1) == L8.argmax(1)).mean())),
+                    (case, "tail_mass", float(1 - p8[:, order[:hot]].sum(1).mean()))]
+    return out
 
 
 def main(argv=None) -> int:
