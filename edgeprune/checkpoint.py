@@ -544,6 +544,8 @@ def save_checkpoint(model, tokenizer, result=None, out_dir: str | os.PathLike = 
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         (tmp / CHECKPOINT_JSON).write_text(json.dumps(record, indent=2))
+        from exporters.folder import plain_modes
+        plain_modes(tmp)
         # swap into place: old folder aside, new one in, old one removed
         old = None
         if out.exists():

@@ -205,8 +205,8 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
 @click.option("--seqlen", type=int, default=512, show_default=True)
 @click.option("--nwindows", type=int, default=40, show_default=True, help="0 = the whole text.")
 @click.option("--dense", "dense_ref", default=None, help="Reference model for KL / top-1 agreement.")
-@click.option("--threads", type=int, default=None)
-@click.option("--json", "json_path", default=None)
+@click.option("--threads", type=int, default=None, help="CPU threads (torch and onnxruntime; default: all).")
+@click.option("--json", "json_path", default=None, help="Write the figures here.")
 def eval_cmd(model, text, seqlen, nwindows, dense_ref, threads, json_path):
     """Perplexity of MODEL (alias, .gguf, HF folder, checkpoint or ONNX export folder)."""
     from .evaluate import fidelity, perplexity
@@ -387,7 +387,8 @@ def leank_cmd(model, k_keep, method, calib, nsamples, seqlen, sink, window, out_
 
     lk.check_leank_args(k_keep=k_keep, sink=sink, window=window)
     m, tok = load_model(model)
-    ids = build_calibration(tok, calib, nsamples=nsamples, seqlen=seqlen, model=m).input_ids
+    ids = build_calibration(tok, calib, nsamples=nsamples, seqlen=seqlen, model=m,
+                            model_max_length=getattr(m.config, "max_position_embeddings", None)).input_ids
     mask = lk.learn_mask(m, ids, k_keep, method=method, train_sink=sink, train_window=window)
     path = mask.save(out_path)
     _console().print(f"LeanK {method} mask, k_keep={k_keep}: {path}")

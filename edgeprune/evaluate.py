@@ -182,6 +182,16 @@ def _as_tensor(x) -> torch.Tensor:
 
 
 @torch.no_grad()
+def _check_context(seqlen: int, *models) -> None:
+    """Refuse windows longer than a torch model's trained context: positions past
+    ``max_position_embeddings`` are untrained, and their perplexity would mislead."""
+    for m in models:
+        ctx = getattr(getattr(m, "config", None), "max_position_embeddings", None)
+        if isinstance(ctx, int) and isinstance(seqlen, int) and seqlen > ctx:
+            raise ConfigError(f"seqlen={seqlen} exceeds the model's context "
+                              f"(max_position_embeddings={ctx})", f"use --seqlen {ctx} or less")
+
+
 def perplexity(model, tokenizer, text: str | Path | None = None, *, seqlen: int = 512,
                nwindows: int | None = 40, progress: bool = True) -> PerplexityResult:
     """Perplexity of ``model`` on ``text`` under the module's protocol.
@@ -198,8 +208,10 @@ def perplexity(model, tokenizer, text: str | Path | None = None, *, seqlen: int 
         :class:`PerplexityResult`.
 
     Raises:
-        ConfigError, CalibrationError: see :func:`eval_windows`.
+        ConfigError, CalibrationError: see :func:`eval_windows`; ``seqlen`` above a torch
+            model's ``max_position_embeddings``.
     """
+    _check_context(seqlen, model)
     windows, proto = eval_windows(tokenizer, text, seqlen=seqlen, nwindows=nwindows)
     fn = _logits_fn(model)
     total = 0.0
@@ -222,7 +234,11 @@ def fidelity(dense, model, tokenizer, text: str | Path | None = None, *, seqlen:
 
     Returns:
         :class:`FidelityResult` (KL in nats per token; agreement in [0, 1]).
+
+    Raises:
+        ConfigError, CalibrationError: as :func:`perplexity`.
     """
+    _check_context(seqlen, dense, model)
     windows, proto = eval_windows(tokenizer, text, seqlen=seqlen, nwindows=nwindows)
     f_dense, f_model = _logits_fn(dense), _logits_fn(model)
     kl = agree = nll_d = nll_m = 0.0

@@ -290,6 +290,8 @@ class LeanKMask:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         with os.fdopen(fd, "w") as f:
             json.dump(self.to_dict(), f)
+        from exporters.folder import plain_modes
+        plain_modes(Path(tmp))
         os.replace(tmp, path)
         return path
 

@@ -389,6 +389,8 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
         report.speed = speed  # type: ignore[attr-defined]
         (tmp / "report.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
         (tmp / "report.md").write_text(report.to_markdown())
+        from exporters.folder import plain_modes
+        plain_modes(tmp)
         # Rewrite the export folders' recorded paths to the final location.
         for ex in exports.values():
             ex.folder = out / ex.folder.name

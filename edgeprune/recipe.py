@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
+import numbers
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -266,6 +267,30 @@ CONFIGS: dict[str, type] = {c.method: c for c in
                             (MagnitudeConfig, WandaConfig, SparseGPTConfig, RTNConfig, GPTQConfig, AWQConfig)}
 
 
+_SCALAR_TYPES = {"int": ((numbers.Integral,), "an integer"), "float": ((numbers.Real,), "a number"),
+                 "bool": ((bool,), "true or false")}
+
+
+def _check_setting_types(cfg) -> None:
+    """A recipe file's ``blocksize: "128"`` is a one-line error, not a TypeError deep in
+    a method."""
+    for f in dataclasses.fields(cfg):
+        t = str(f.type)
+        optional = t.startswith("Optional[")
+        base = t[len("Optional["):-1] if optional else t
+        if base not in _SCALAR_TYPES:
+            continue
+        v = getattr(cfg, f.name)
+        if v is None and optional:
+            continue
+        types, what = _SCALAR_TYPES[base]
+        if not isinstance(v, types) or (base != "bool" and isinstance(v, bool)):
+            example = f.default if f.default is not dataclasses.MISSING and f.default is not None \
+                else {"int": 128, "float": 0.5, "bool": True}[base]
+            raise ConfigError(f"{cfg.method} setting {f.name}={v!r} must be {what}",
+                              f"write e.g. {f.name} = {str(example).lower() if base == 'bool' else example}")
+
+
 def method_config_from_name(name: str, **kwargs: Any) -> MethodConfig:
     """Build a method config from its name and settings, e.g. ``("gptq", bits=4)``.
 
@@ -289,6 +314,7 @@ def method_config_from_name(name: str, **kwargs: Any) -> MethodConfig:
         raise ConfigError(f"method {key!r} has no setting {', '.join(bad)}",
                           f"its settings are {', '.join(sorted(fields))}")
     cfg = cls(**kw)
+    _check_setting_types(cfg)
     cfg.validate()
     return cfg
 

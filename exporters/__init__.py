@@ -70,7 +70,13 @@ class ExportResult:
                 f"{self.metadata.get('precision')}, graph {self.metadata.get('graph')}); "
                 f"onnx checker {p.get('onnx_checker', 'skipped')}, shape inference "
                 f"{p.get('shape_inference', 'skipped')}; {par}{head}"
-                + (f"; weights {self.metadata['weights']}" if self.metadata.get("weights") else ""))
+                + (f"; weights {self.metadata['weights']}" if self.metadata.get("weights") else "")
+                + self._narrow_codes_note())
+
+    def _narrow_codes_note(self) -> str:
+        cb = [b for b in ((self.metadata.get("quantization") or {}).get("code_bits") or []) if b < 4]
+        return (f"; {'/'.join(map(str, cb))}-bit codes stored exactly as 4-bit MatMulNBits "
+                "(4-bit memory and speed)") if cb else ""
 
 
 def _source_dirs(model, provenance: Optional[dict]) -> list[Path]:
@@ -196,6 +202,11 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
     spec = DecoderSpec.from_model(model)
     if max_length is None:
         max_length = min(spec.max_position_embeddings, 8192)
+    elif max_length > spec.max_position_embeddings:
+        import warnings
+        warnings.warn(f"max_length={max_length} exceeds the model's trained context "
+                      f"(max_position_embeddings={spec.max_position_embeddings}): tokens past "
+                      "it get untrained positions", stacklevel=2)
     opts = BuildOptions(precision=precision, graph=graph, lm_head=lm_head,
                         accuracy_level=accuracy_level, accuracy_levels=accuracy_levels,
                         max_length=int(max_length),
@@ -259,6 +270,9 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
             "sym": sorted({bool(getattr(q, "sym", False)) for q in quantized.values()})
             if quantized else False,
             "source": "checkpoint codes" if quantized else f"rtn asym g{group_size}",
+            # the quantizer's own widths: 2/3-bit codes ride exactly in 4-bit MatMulNBits
+            "code_bits": sorted({int(getattr(q, "bits", 4)) for q in quantized.values()})
+            if quantized else [4],
             "accuracy_level": accuracy_level, "accuracy_levels": accuracy_levels or None,
             "lm_head": builder.quant_summary.get("lm_head"),
             "layers": len(ints),

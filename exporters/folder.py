@@ -65,6 +65,19 @@ def _fsync_tree(folder: Path) -> None:
         pass
 
 
+def plain_modes(path: Path) -> None:
+    """Give ``path`` (a file, or a folder and all it holds) the permissions a plain
+    ``mkdir``/``open`` would: ``0o777`` / ``0o666`` minus the umask. ``mkdtemp`` and
+    ``mkstemp`` create 0700 / 0600 and safetensors writes 0600, which would hide the
+    outputs from the other users or the service account an app runs as."""
+    path = Path(path)
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in [path] + (sorted(path.rglob("*")) if path.is_dir() else []):
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
 @contextmanager
 def atomic_folder(out_dir: Path, overwrite: bool = False):
     """Yield a temp folder next to ``out_dir``; rename it to ``out_dir`` on success.
@@ -76,6 +89,7 @@ def atomic_folder(out_dir: Path, overwrite: bool = False):
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         yield tmp
+        plain_modes(tmp)
         _fsync_tree(tmp)
         if out_dir.exists():
             if not overwrite:

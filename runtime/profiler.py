@@ -349,6 +349,9 @@ def _atomic_write(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)          # mkstemp's 0600 would hide it from other users
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -178,3 +178,49 @@ def test_report_markdown_table_escapes_pipes():
     # 4 cells: the escaped pipes are not column separators
     assert len([c for c in row.replace("\\|", "").split("|") if c.strip()]) == 4
     assert "KL(dense\\|\\|compressed)" in row
+
+
+def test_outputs_get_plain_permissions(model_dir, tmp_path, capsys):
+    """mkdtemp/mkstemp (0700/0600) and safetensors (0600) must not leak into outputs that
+    another user or an app's service account has to read: modes follow the umask."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        code, _, err = _run(["compress", model_dir, "--method", "rtn", "--bits", "4", "--group-size",
+                             "32", *CAL, "--out", tmp_path / "ck"], capsys)
+        assert code == 0, err
+        code, _, err = _run(["export", tmp_path / "ck", tmp_path / "onnx", "--max-length", "64"], capsys)
+        assert code == 0, err
+    finally:
+        os.umask(old)
+    for folder in (tmp_path / "ck", tmp_path / "onnx"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+        for f in folder.iterdir():
+            assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
+
+
+def test_recipe_setting_of_the_wrong_type_is_one_line(model_dir, tmp_path, capsys):
+    (tmp_path / "r.yaml").write_text("stages:\n  - method: gptq\n    bits: 4\n    blocksize: '128'\n")
+    code, _, err = _run(["compress", model_dir, "--recipe", tmp_path / "r.yaml", *CAL,
+                         "--out", tmp_path / "ck"], capsys)
+    _one_line_error(code, err, "blocksize='128' must be an integer", "blocksize = 128")
+
+
+def test_eval_window_longer_than_the_context_is_refused(model_dir, capsys):
+    code, _, err = _run(["eval", model_dir, "--seqlen", "1024"], capsys)   # context 512
+    _one_line_error(code, err, "max_position_embeddings=512", "--seqlen 512")
+
+
+def test_narrow_codes_are_labelled_and_long_contexts_warned(tiny_llama, tmp_path):
+    import exporters
+    from edgeprune.quantize import rtn_quantize
+
+    q = {n: rtn_quantize(m.weight.detach(), 3, 32, False) for n, m in tiny_llama.named_modules()
+         if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    with pytest.warns(UserWarning, match="exceeds the model's trained context"):
+        res = exporters.export_onnx(tiny_llama, tiny_tokenizer(), tmp_path / "q3", precision="int4",
+                                    quantized=q, max_length=600, validate=False)
+    assert res.metadata["quantization"]["code_bits"] == [3]
+    assert "3-bit codes stored exactly as 4-bit MatMulNBits" in res.summary()
