@@ -24,8 +24,8 @@ def folder(tmp_path_factory):
     from transformers import LlamaConfig
     from conftest import _tiny
     out = tmp_path_factory.mktemp("inputs") / "fused"
-    exporters.export_onnx(_tiny(LlamaConfig), tiny_tokenizer(), out, max_length=600,
-                          validate=False)
+    exporters.export_onnx(_tiny(LlamaConfig, max_position_embeddings=1024), tiny_tokenizer(), out,
+                          max_length=600, validate=False)
     return out
 
 
