@@ -132,7 +132,7 @@ def load_documents(source: str | Path | None = None, *, part: str = "calibration
     if not p.exists():
         raise CalibrationError(f"calibration source {s!r} not found",
                                "pass a text/JSONL/Parquet file, 'hf:NAME' (online) or omit it for the default")
-    if p.suffix == ".jsonl":
+    if p.suffix.lower() == ".jsonl":
         docs = []
         for i, line in enumerate(read_text_file(p).splitlines()):
             if not line.strip():
@@ -143,7 +143,7 @@ def load_documents(source: str | Path | None = None, *, part: str = "calibration
                 raise CalibrationError(f"{p}:{i + 1} is not a JSON object with a 'text' field",
                                        "write one {\"text\": ...} object per line") from None
         return docs, str(p)
-    if p.suffix == ".parquet":
+    if p.suffix.lower() == ".parquet":
         import pyarrow.parquet as pq
 
         try:

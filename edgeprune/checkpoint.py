@@ -273,39 +273,44 @@ def _source_dir(model, provenance: dict) -> list[Path]:
                  provenance.get("source_path"), provenance.get("source")):
         if cand and isinstance(cand, (str, os.PathLike)):
             p = Path(cand)
-            if p.is_file():
-                p = p.parent
-            if p.is_dir():
+            if p.exists():                       # a folder, or a single file (.gguf)
                 out.append(p.resolve())
     return out
 
 
 def check_out_dir(out: Path, sources: list[Path], overwrite: bool, run_id: str = "") -> None:
-    """Refuse a checkpoint folder that is, holds or lies in a source model folder, or a
-    non-empty folder holding another run (``run_id`` differs) without ``overwrite``.
+    """Refuse a checkpoint folder that is, holds or lies in an input model folder (or is
+    or holds an input file), a non-empty folder holding another run (``run_id``
+    differs) without ``overwrite``, and, even with it, a folder that is not an edgeprune
+    checkpoint: its files would be deleted.
 
     Raises:
         CheckpointError: naming the folder and the fix.
     """
-    for src in sources:
-        if out == src or src in out.parents:
-            raise CheckpointError(f"refusing to write the checkpoint into the input model folder {src}",
-                                  "choose an output folder outside the source model's folder")
-        if out in src.parents and out.exists():
-            raise CheckpointError(f"refusing to replace {out}: it contains the input model {src}",
-                                  "choose a different output folder")
+    from exporters.folder import foreign_entries, source_conflict
+
+    why = source_conflict(out, sources)
+    if why:
+        raise CheckpointError(f"refusing to write the checkpoint there: {why}",
+                              "choose an output folder outside the source model's folder")
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} exists and is not a folder", "pass a folder path")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        same = False
-        if is_edgeprune_checkpoint(out):
+    if out.exists() and any(out.iterdir()):
+        other = foreign_entries(out, marker=CHECKPOINT_JSON)
+        if other:
+            shown = ", ".join(other[:4]) + (", ..." if len(other) > 4 else "")
+            raise CheckpointError(f"{out} holds files that are not an edgeprune checkpoint "
+                                  f"({shown}); overwrite only replaces an earlier checkpoint",
+                                  "choose a new or empty output folder")
+        if not overwrite:
+            same = False
             try:
                 same = json.loads((out / CHECKPOINT_JSON).read_text()).get("run_id") == run_id
-            except (OSError, ValueError):
+            except (OSError, ValueError, AttributeError):
                 same = False
-        if not same:
-            raise CheckpointError(f"{out} is not empty and holds a different run",
-                                  "pass overwrite=True (CLI: --overwrite) or choose another folder")
+            if not same:
+                raise CheckpointError(f"{out} is not empty and holds a different run",
+                                      "pass overwrite=True (CLI: --overwrite) or choose another folder")
 
 
 def _group_key(qw: QuantizedWeight, asym_layout: str = "pack-quantized") -> tuple:

@@ -113,6 +113,8 @@ def cli():
               help="Alias, .gguf file, HF folder or hub id.")
 @method_options
 @click.option("--eval-text", default=None, help="Evaluation text file (default: embedded held-out text).")
+@click.option("--eval-seqlen", type=int, default=512, show_default=True,
+              help="Tokens per evaluation window (capped at the model's context).")
 @click.option("--eval-nwindows", type=int, default=40, show_default=True)
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--prompt-len", type=int, default=128, show_default=True)
@@ -122,15 +124,16 @@ def cli():
 @click.option("--overwrite", is_flag=True, help="Replace an output folder holding a different run.")
 @click.option("--json", "json_path", default=None, help="Also write the report to this JSON file.")
 def run_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, calib, nsamples, seqlen,
-            seed, device, eval_text, eval_nwindows, threads, prompt_len, gen_len, repeat, out_dir,
-            overwrite, json_path):
+            seed, device, eval_text, eval_seqlen, eval_nwindows, threads, prompt_len, gen_len, repeat,
+            out_dir, overwrite, json_path):
     """The main job: compress, evaluate, export, run and report on one model."""
     from .pipeline import RunConfig, run_pipeline
 
     pn, pm = _parse_pattern(pattern)
     cfg = RunConfig(model=model, method=method, recipe=recipe, bits=bits, group_size=group_size, sym=sym,
                     sparsity=sparsity, prune_n=pn, prune_m=pm, calib=calib, nsamples=RunConfig.nsamples if nsamples is None else nsamples,
-                    seqlen=seqlen, seed=seed, eval_text=eval_text, eval_nwindows=eval_nwindows,
+                    seqlen=seqlen, seed=seed, eval_text=eval_text, eval_seqlen=eval_seqlen,
+                    eval_nwindows=eval_nwindows,
                     threads=threads, prompt_len=prompt_len, gen_len=gen_len, repeat=repeat, device=device)
     con = _console()
     rep = run_pipeline(cfg, out_dir, overwrite=overwrite, log=lambda m: con.print(m))
@@ -175,8 +178,7 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
                              "choose another --out, or pass --overwrite to replace it")
     local = Path(model).expanduser()
     if local.exists():                        # the input model's folder: refused before any work
-        ckpt.check_out_dir(outp.expanduser().resolve(),
-                           [(local.parent if local.is_file() else local).resolve()], overwrite)
+        ckpt.check_out_dir(outp.expanduser().resolve(), [local.resolve()], overwrite)
     con = _console()
     m, tok, src = load_model(model, return_source=True, device=device)
     check_recipe(m, rec)                     # shapes vs recipe before calibrating
@@ -476,9 +478,15 @@ def main(argv=None) -> int:
     SIGTERM (``kill``, ``timeout``) is turned into the same clean stop as Ctrl-C, so the
     temporary output folders are removed on the way out."""
     import signal
+    import warnings
 
     def _term(signum, frame):
         raise KeyboardInterrupt
+
+    def _warn(message, category, filename, lineno, file=None, line=None):
+        click.echo(f"warning: {message}", err=True)      # one line, no source excerpt
+
+    prev_warn, warnings.showwarning = warnings.showwarning, _warn
 
     try:
         prev = signal.signal(signal.SIGTERM, _term)
@@ -506,6 +514,7 @@ def main(argv=None) -> int:
                    "and report it)", err=True)
         return 1
     finally:
+        warnings.showwarning = prev_warn
         if prev is not None:
             signal.signal(signal.SIGTERM, prev)
 

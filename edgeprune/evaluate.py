@@ -98,6 +98,13 @@ def _is_file(text: str) -> bool:
         return False
 
 
+def _is_dir(text) -> bool:
+    try:
+        return Path(text).expanduser().is_dir()
+    except (OSError, ValueError):
+        return False
+
+
 def resolve_text(text: str | Path | None) -> tuple[str, str]:
     """Return ``(text, description)`` for a file path, a literal string or None (default held-out).
 
@@ -105,24 +112,28 @@ def resolve_text(text: str | Path | None) -> tuple[str, str]:
     (a ``text`` column), documents joined by a blank line, as for calibration.
 
     Raises:
-        CalibrationError: a path-like string (one short word with ``/`` or a file
-            extension, e.g. ``notes.md``) that does not exist, or an unreadable file.
+        CalibrationError: a path-like string that does not exist (short, one line, and
+            with a ``/``, a text-file extension, or one word with an extension such as
+            ``notes.md``), a folder, or an unreadable file.
     """
     if text is None or str(text) == "default":
         return default_text("heldout"), "default:pydoc_data.topics[heldout]"
-    if isinstance(text, Path) or _is_file(text):
+    if isinstance(text, Path) or _is_file(text) or _is_dir(text):
         p = Path(text).expanduser()
+        if p.is_dir():
+            raise CalibrationError(f"evaluation text {p} is a folder", "pass a text, JSONL or Parquet file")
         if not p.is_file():
             raise CalibrationError(f"evaluation text file {p} does not exist", "check the path")
-        if p.suffix in (".jsonl", ".parquet"):
+        if p.suffix.lower() in (".jsonl", ".parquet"):
             from .calibration import load_documents
             return "\n\n".join(load_documents(p)[0]), str(p)
         return read_text_file(p), str(p)
     t = str(text)
-    if len(t) < 512 and not any(c.isspace() for c in t) and \
-            ("/" in t or os.sep in t or Path(t).suffix[1:].isalnum()):
+    if len(t) < 512 and "\n" not in t and (
+            "/" in t or os.sep in t or t.lower().endswith((".txt", ".raw", ".jsonl", ".parquet"))
+            or (not any(c.isspace() for c in t) and Path(t).suffix[1:].isalnum())):
         raise CalibrationError(f"evaluation text file {t} does not exist",
-                               "check the path (a literal text to score has spaces)")
+                               "check the path; a literal text to score must not look like one")
     return t, "literal string"
 
 

@@ -153,37 +153,40 @@ def build_recipe(cfg: RunConfig):
     return Recipe(stages=[method_config_from_name(name, **ms)], name=name)
 
 
+#: What a run folder holds; replacing it deletes nothing else.
+RUN_ENTRIES = ("checkpoint", "onnx-compressed", "onnx-dense", "report.json", "report.md")
+
+
 def _check_out(out: Path, fingerprint: str, overwrite: bool, model: str | None = None) -> None:
-    """Refuse an output folder that would lose data: the input model's folder (or one
-    holding it or inside it), a folder of other files (even with ``overwrite``: only an
-    earlier run's folder, with its ``report.json``, is ever replaced), or a different
-    run without ``overwrite``."""
+    """Refuse an output folder that would lose data: one that is, holds or lies in the
+    input model's folder (or is or holds the model file); a folder with anything besides
+    an earlier run's :data:`RUN_ENTRIES` (its ``report.json`` carrying a ``fingerprint``),
+    even with ``overwrite``; a different run without ``overwrite``."""
+    from exporters.folder import foreign_entries, source_conflict
+
     src = Path(model).expanduser() if model else None
-    if src is not None and src.exists():
-        src = (src.parent if src.is_file() else src).resolve()
-        if out == src or src in out.parents or out in src.parents:
-            raise CheckpointError(f"refusing to write the run into {out}: it is, holds or lies "
-                                  f"inside the input model folder {src}",
-                                  "choose an --out outside the model's folder")
+    why = source_conflict(out, [src]) if src is not None and src.exists() else None
+    if why:
+        raise CheckpointError(f"refusing to write the run there: {why}",
+                              "choose an --out outside the model's folder")
     if not out.exists():
         return
     if not out.is_dir():
         raise CheckpointError(f"output path {out} exists and is not a folder", "choose another --out")
-    entries = sorted(p.name for p in out.iterdir())
-    if not entries:
+    if not any(out.iterdir()):
         return
-    rep = out / "report.json"
-    if not rep.is_file():
-        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
-        raise CheckpointError(f"output folder {out} holds files that are not an edgeprune run "
-                              f"({shown}); --overwrite only replaces an earlier run's folder",
-                              "choose another --out, or an empty or new folder")
-    same = False
+    prev = None
     try:
-        same = json.loads(rep.read_text()).get("fingerprint") == fingerprint
+        prev = json.loads((out / "report.json").read_text()).get("fingerprint")
     except (OSError, ValueError, AttributeError):
-        same = False
-    if not same and not overwrite:
+        prev = None
+    other = foreign_entries(out, RUN_ENTRIES) if prev else sorted(p.name for p in out.iterdir())
+    if other:
+        shown = ", ".join(other[:4]) + (", ..." if len(other) > 4 else "")
+        raise CheckpointError(f"output folder {out} holds files that are not part of an edgeprune "
+                              f"run ({shown}); a run only ever replaces an earlier run's folder",
+                              "choose another --out, or an empty or new folder")
+    if prev != fingerprint and not overwrite:
         raise CheckpointError(f"output folder {out} already holds a different run",
                               "choose another --out, or pass --overwrite to replace it")
 
@@ -320,6 +323,11 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
         secs["load"] = time.perf_counter() - t
 
         check_recipe(dense, recipe)          # shapes vs recipe before minutes of calibration
+        eval_seqlen = cfg.eval_seqlen
+        ctx = getattr(dense.config, "max_position_embeddings", None)
+        if isinstance(ctx, int) and eval_seqlen > ctx:   # found now, not after compressing
+            log(f"      evaluation windows capped at the model's context: {ctx} tokens, not {eval_seqlen}")
+            eval_seqlen = ctx
         t = time.perf_counter()
         calib = cfg.calib if cfg.calib is not None else DEFAULT_CALIB
         log(f"[2/6] calibration: {cfg.nsamples} x {cfg.seqlen} tokens from "
@@ -337,7 +345,7 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
 
         t = time.perf_counter()
         log("[3/6] evaluating dense vs compressed (perplexity, KL, top-1 agreement)")
-        fid = fidelity(dense, model, tok, cfg.eval_text, seqlen=cfg.eval_seqlen, nwindows=cfg.eval_nwindows)
+        fid = fidelity(dense, model, tok, cfg.eval_text, seqlen=eval_seqlen, nwindows=cfg.eval_nwindows)
         secs["evaluate"] = time.perf_counter() - t
 
         t = time.perf_counter()

@@ -287,8 +287,15 @@ def _check_setting_types(cfg) -> None:
         if not isinstance(v, types) or (base != "bool" and isinstance(v, bool)):
             example = f.default if f.default is not dataclasses.MISSING and f.default is not None \
                 else {"int": 128, "float": 0.5, "bool": True}[base]
-            raise ConfigError(f"{cfg.method} setting {f.name}={v!r} must be {what}",
-                              f"write e.g. {f.name} = {str(example).lower() if base == 'bool' else example}")
+            shown = str(example).lower() if base == "bool" else example
+            hint = f"write it unquoted, e.g. {f.name}: {shown} (YAML) or {f.name} = {shown} (TOML)"
+            if isinstance(v, str) and base == "float":
+                try:
+                    float(v)
+                    hint += "; YAML reads exponents like 1e-2 as text, write 0.01"
+                except ValueError:
+                    pass
+            raise ConfigError(f"{cfg.method} setting {f.name}={v!r} must be {what}", hint)
 
 
 def method_config_from_name(name: str, **kwargs: Any) -> MethodConfig:

@@ -83,7 +83,7 @@ def _source_dirs(model, provenance: Optional[dict]) -> list[Path]:
     out = []
     for cand in (getattr(getattr(model, "config", None), "_name_or_path", None),
                  (provenance or {}).get("checkpoint"), (provenance or {}).get("source")):
-        if cand and Path(str(cand)).is_dir():
+        if cand and Path(str(cand)).exists():       # folders and single files (.gguf)
             out.append(Path(str(cand)))
     return out
 
@@ -233,11 +233,14 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
     t_build = time.perf_counter()
     for k in accuracy_levels:           # a typo would otherwise change nothing, silently
         if not any(n.endswith(k) for n in builder.accuracy_names):
+            if not builder.accuracy_names:
+                raise ExportError(f"accuracy level override {k!r}: this export has no MatMulNBits "
+                                  f"node (precision {precision}, graph {graph})",
+                                  "drop --accuracy-level-for, or export int4 with --graph fused")
             shown = sorted({n.rsplit(".", 1)[-1] for n in builder.accuracy_names})
-            raise ExportError(f"accuracy level override {k!r} matches no MatMulNBits layer of "
-                              "this export", "use a layer-name suffix such as "
-                              + (", ".join(shown[:6]) if shown else
-                                 "down_proj (int4 exports only)"))
+            raise ExportError(f"accuracy level override {k!r} matches no MatMulNBits node of "
+                              f"this export (nodes are named like {sorted(builder.accuracy_names)[0]})",
+                              "use a node-name suffix such as " + ", ".join(shown[:6]))
     weight_bytes = builder.g.weight_bytes()
     check_disk(out_dir.parent, weight_bytes)
     # external data: when asked, above 2 GB, or (auto) for int4 exports: onnxruntime

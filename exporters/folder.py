@@ -15,21 +15,61 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "generation_config.json")
 
 
+def source_conflict(out, sources) -> "str | None":
+    """Why writing ``out`` (and, on overwrite, replacing it) would touch an input, or
+    ``None``. A source folder: ``out`` is it, lies inside it or holds it. A source file
+    (a ``.gguf``): ``out`` is it or holds it (a folder beside it is harmless)."""
+    out = Path(out).expanduser().resolve()
+    for src in sources:
+        src = Path(src).expanduser().resolve()
+        if src.is_dir():
+            if out == src or src in out.parents:
+                return f"{out} is or lies inside the input model folder {src}"
+            if out in src.parents:
+                return f"{out} holds the input model folder {src}"
+        elif out == src or out in src.parents:
+            return f"{out} is or holds the input model file {src}"
+    return None
+
+
+def foreign_entries(out: Path, allowed=None, marker: str | None = None) -> list[str]:
+    """Names in the existing folder ``out`` that a replacement would delete although no
+    edgeprune step wrote them: everything when ``marker`` (e.g. ``edgeprune.json``) is
+    missing, else the names outside ``allowed`` (``None``: any name)."""
+    names = sorted(p.name for p in out.iterdir())
+    if marker is not None and marker not in names:
+        return names
+    return [n for n in names if allowed is not None and n not in allowed]
+
+
 def check_out_dir(out_dir: Path, source_dirs: list[Path], overwrite: bool) -> None:
-    """Refuse an output path inside a source folder, or an existing one without overwrite.
+    """Refuse an output path that is, holds or lies in an input (:func:`source_conflict`),
+    an existing one without ``overwrite``, and, even with it, a folder that is not an
+    earlier export (no ``edgeprune.json``): its files would be deleted.
 
     Raises:
         ExportError: with the fix (pick another path / pass overwrite=True).
     """
-    out = out_dir.resolve()
-    for src in source_dirs:
-        src = Path(src).resolve()
-        if out == src or src in out.parents:
-            raise ExportError(f"output folder {out_dir} is inside the input folder {src}",
-                              "choose an output path outside the checkpoint folder")
+    why = source_conflict(out_dir, source_dirs)
+    if why:
+        raise ExportError(f"refusing to export there: {why}",
+                          "choose an output path outside the model's folder")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out_dir} exists and is not a folder", "choose a new path")
     if out.exists() and not overwrite:
         raise ExportError(f"output folder {out_dir} already exists",
                           "pass overwrite=True (--overwrite) or choose a new path")
+    if out.exists():
+        other = foreign_entries(out, marker="edgeprune.json")
+        if other:
+            raise ExportError(f"output folder {out_dir} holds files that are not an edgeprune "
+                              f"export ({_shown(other)}); overwrite only replaces an earlier export",
+                              "choose a new or empty output path")
+
+
+def _shown(names: list[str], k: int = 4) -> str:
+    return ", ".join(names[:k]) + (", ..." if len(names) > k else "")
 
 
 def check_disk(parent: Path, needed_bytes: int) -> None:

@@ -85,8 +85,11 @@ def test_output_folder_holding_another_run_is_refused(capsys, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "report.json").write_text(json.dumps({"fingerprint": "someone-else"}))
-    (out / "keep.txt").write_text("precious")
     code, _, err = _run(["run", "--out", str(out)], capsys)
     _one_line_error(code, err, "different run", "--overwrite")
+    # beside files no run wrote, even --overwrite is refused (they would be deleted)
+    (out / "keep.txt").write_text("precious")
+    code, _, err = _run(["run", "--out", str(out), "--overwrite"], capsys)
+    _one_line_error(code, err, "not part of an edgeprune run", "keep.txt")
     assert (out / "keep.txt").read_text() == "precious"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no temp folder left behind

@@ -286,11 +286,14 @@ def test_refuses_non_empty_dir_of_other_run_unless_overwrite(tiny_llama, tmp_pat
     out = tmp_path / "o"
     out.mkdir()
     (out / "notes.txt").write_text("someone's file")
-    with pytest.raises(CheckpointError, match="not empty"):
-        save_checkpoint(tiny_llama, None, res, out, provenance=PROV)
+    # a folder of other files is never replaced, not even with overwrite
+    for ow in (False, True):
+        with pytest.raises(CheckpointError, match="not an edgeprune checkpoint.*notes.txt"):
+            save_checkpoint(tiny_llama, None, res, out, provenance=PROV, overwrite=ow)
     assert (out / "notes.txt").read_text() == "someone's file"
+    (out / "notes.txt").unlink()
     save_checkpoint(tiny_llama, None, res, out, provenance=PROV, overwrite=True)
-    assert is_edgeprune_checkpoint(out) and not (out / "notes.txt").exists()
+    assert is_edgeprune_checkpoint(out)
     # same run again: allowed without overwrite; a different run: refused
     save_checkpoint(tiny_llama, None, res, out, provenance=PROV)
     with pytest.raises(CheckpointError, match="different run"):
@@ -327,7 +330,7 @@ def test_refuses_writing_into_source_folder(tiny_llama, tmp_path):
     for bad in (src, src / "compressed"):
         with pytest.raises(CheckpointError, match="input model"):
             save_checkpoint(m, None, res, bad, provenance=PROV, overwrite=True)
-    with pytest.raises(CheckpointError, match="contains the input model"):
+    with pytest.raises(CheckpointError, match="holds the input model folder"):
         save_checkpoint(m, None, res, tmp_path, provenance=PROV, overwrite=True)
     assert (src / "config.json").exists()
 

@@ -67,9 +67,56 @@ def test_run_never_deletes_the_model_or_foreign_files(model_dir, tmp_path, capsy
     (other / "thesis.tex").write_text("years of work")
     code, _, err = _run(["run", "--model", model_dir, "--method", "rtn", *CAL, "--out", other,
                          "--overwrite"], capsys)
-    _one_line_error(code, err, "not an edgeprune run", "thesis.tex")
+    _one_line_error(code, err, "not part of an edgeprune run", "thesis.tex")
+    # a report.json of someone else's (no run fingerprint) does not make it a run folder
+    (other / "report.json").write_text('{"coverage": 91}')
+    code, _, err = _run(["run", "--model", model_dir, "--method", "rtn", *CAL, "--out", other,
+                         "--overwrite"], capsys)
+    _one_line_error(code, err, "not part of an edgeprune run", "thesis.tex")
+    # nor does an edgeprune report beside other files, whatever the fingerprint
+    (other / "report.json").write_text('{"fingerprint": "0123456789abcdef"}')
+    code, _, err = _run(["run", "--model", model_dir, "--method", "rtn", *CAL, "--out", other], capsys)
+    _one_line_error(code, err, "not part of an edgeprune run", "thesis.tex")
     assert sorted(p.name for p in victim.rglob("*")) == before
     assert (other / "thesis.tex").read_text() == "years of work"
+
+
+def test_compress_and_export_never_replace_inputs_or_foreign_folders(model_dir, tmp_path, capsys):
+    import shutil
+
+    sb = tmp_path / "sb"
+    code, _, err = _run(["compress", model_dir, "--method", "rtn", "--bits", "4", "--group-size", "32",
+                         *CAL, "--out", sb / "ck"], capsys)
+    assert code == 0, err
+    (sb / "notes.txt").write_text("mine")
+    # export into the folder holding the checkpoint, or the checkpoint itself: refused
+    for out in (sb, sb / "ck"):
+        code, _, err = _run(["export", sb / "ck", out, "--overwrite", "--max-length", "64"], capsys)
+        _one_line_error(code, err, "input model folder")
+    # --overwrite never replaces a folder that is not an earlier export / checkpoint
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "thesis.tex").write_text("years of work")
+    code, _, err = _run(["export", sb / "ck", junk, "--overwrite", "--max-length", "64"], capsys)
+    _one_line_error(code, err, "not an edgeprune export", "thesis.tex")
+    code, _, err = _run(["compress", model_dir, "--method", "rtn", *CAL, "--out", junk, "--overwrite"],
+                        capsys)
+    _one_line_error(code, err, "not an edgeprune checkpoint", "thesis.tex")
+    assert (junk / "thesis.tex").read_text() == "years of work"
+    assert (sb / "notes.txt").exists() and (sb / "ck" / "edgeprune_checkpoint.json").exists()
+    # an earlier export is replaced; a folder beside a single model file is fine
+    code, _, err = _run(["export", sb / "ck", tmp_path / "ox", "--max-length", "64"], capsys)
+    assert code == 0, err
+    code, _, err = _run(["export", sb / "ck", tmp_path / "ox", "--overwrite", "--max-length", "32"],
+                        capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "ox" / "edgeprune.json").read_text())["max_length"] == 32
+    from exporters.folder import source_conflict
+    (tmp_path / "dl").mkdir()
+    (tmp_path / "dl" / "x.gguf").write_bytes(b"GGUF")
+    assert source_conflict(tmp_path / "dl" / "run1", [tmp_path / "dl" / "x.gguf"]) is None
+    assert "holds the input model file" in source_conflict(tmp_path / "dl", [tmp_path / "dl" / "x.gguf"])
+    shutil.rmtree(tmp_path / "dl")
 
 
 def test_compress_refuses_its_source_folder_before_calibrating(model_dir, capsys, monkeypatch):
@@ -205,7 +252,7 @@ def test_recipe_setting_of_the_wrong_type_is_one_line(model_dir, tmp_path, capsy
     (tmp_path / "r.yaml").write_text("stages:\n  - method: gptq\n    bits: 4\n    blocksize: '128'\n")
     code, _, err = _run(["compress", model_dir, "--recipe", tmp_path / "r.yaml", *CAL,
                          "--out", tmp_path / "ck"], capsys)
-    _one_line_error(code, err, "blocksize='128' must be an integer", "blocksize = 128")
+    _one_line_error(code, err, "blocksize='128' must be an integer", "blocksize: 128")
 
 
 def test_eval_window_longer_than_the_context_is_refused(model_dir, capsys):
@@ -224,3 +271,39 @@ def test_narrow_codes_are_labelled_and_long_contexts_warned(tiny_llama, tmp_path
                                     quantized=q, max_length=600, validate=False)
     assert res.metadata["quantization"]["code_bits"] == [3]
     assert "3-bit codes stored exactly as 4-bit MatMulNBits" in res.summary()
+
+
+def test_eval_text_paths_with_spaces_and_folders(model_dir, tmp_path, capsys):
+    for text in (tmp_path / "no such dir" / "wiki.test.raw", "My Notes.txt"):
+        code, _, err = _run(["eval", model_dir, "--text", text], capsys)
+        _one_line_error(code, err, "does not exist")
+    code, _, err = _run(["eval", model_dir, "--text", tmp_path], capsys)
+    _one_line_error(code, err, "is a folder")
+    (tmp_path / "E.JSONL").write_text(json.dumps({"text": "Small models run on phones. " * 20}) + "\n")
+    js = tmp_path / "u.json"
+    code, _, err = _run(["eval", model_dir, "--text", tmp_path / "E.JSONL", "--seqlen", "32",
+                         "--nwindows", "1", "--json", js], capsys)
+    assert code == 0, err
+    from edgeprune.evaluate import resolve_text
+    assert resolve_text(tmp_path / "E.JSONL")[0].startswith("Small models")   # the field, not raw JSON
+
+
+def test_run_caps_evaluation_windows_at_a_short_context(tmp_path):
+    """A model with a 256-token context: run's default 512-token evaluation windows are
+    capped before compressing (it had failed after compression)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from edgeprune.pipeline import RunConfig, run_pipeline
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    d = tmp_path / "m256"
+    AutoModelForCausalLM.from_config(cfg).float().eval().save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    logs = []
+    rep = run_pipeline(RunConfig(model=str(d), method="rtn", calib="default", nsamples=2, seqlen=32,
+                                 eval_nwindows=1, threads=1, prompt_len=8, gen_len=4, repeat=1),
+                       tmp_path / "run", log=logs.append, export_dense=False)
+    assert rep.protocol["seqlen"] == 256
+    assert any("capped at the model's context: 256" in m for m in logs)

@@ -337,7 +337,7 @@ def test_bad_inputs_leave_nothing(tiny_llama, tok, tmp_path, monkeypatch):
     src = tmp_path / "ckpt"
     src.mkdir()
     tiny_llama.config._name_or_path = str(src)
-    with pytest.raises(ExportError, match="inside the input folder"):
+    with pytest.raises(ExportError, match="inside the input model folder"):
         exporters.export_onnx(tiny_llama, tok, src / "onnx")
     tiny_llama.config._name_or_path = ""
     # existing folder without overwrite
