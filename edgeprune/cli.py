@@ -176,9 +176,11 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
     if outp.exists() and (not outp.is_dir() or any(outp.iterdir())) and not overwrite:
         raise EdgePruneError(f"output folder {out_dir} already exists and is not empty",
                              "choose another --out, or pass --overwrite to replace it")
-    local = Path(model).expanduser()
-    if local.exists():                        # the input model's folder: refused before any work
-        ckpt.check_out_dir(outp.expanduser().resolve(), [local.resolve()], overwrite)
+    from .models import local_source
+
+    local = local_source(model)               # the input model's file or folder (aliases too)
+    if local is not None:                     # refused before any work
+        ckpt.check_out_dir(outp.expanduser().resolve(), [local], overwrite)
     con = _console()
     m, tok, src = load_model(model, return_source=True, device=device)
     check_recipe(m, rec)                     # shapes vs recipe before calibrating

@@ -81,6 +81,18 @@ def resolve_alias(name: str) -> Path:
     return path
 
 
+def local_source(source) -> "Path | None":
+    """The file or folder on this machine that ``source`` (an alias, a path) reads, so
+    that writers can refuse to replace it; ``None`` for hub ids and unknown names."""
+    try:
+        if str(source) in ALIASES:
+            return resolve_alias(str(source)).resolve()
+        p = Path(source).expanduser()
+        return p.resolve() if p.exists() else None
+    except (ModelLoadError, OSError, ValueError):
+        return None
+
+
 def gguf_architecture(path: Path) -> str:
     """Read ``general.architecture`` from a GGUF header without loading tensors.
 

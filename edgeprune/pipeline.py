@@ -164,8 +164,10 @@ def _check_out(out: Path, fingerprint: str, overwrite: bool, model: str | None =
     even with ``overwrite``; a different run without ``overwrite``."""
     from exporters.folder import foreign_entries, source_conflict
 
-    src = Path(model).expanduser() if model else None
-    why = source_conflict(out, [src]) if src is not None and src.exists() else None
+    from .models import local_source
+
+    src = local_source(model) if model else None
+    why = source_conflict(out, [src]) if src is not None else None
     if why:
         raise CheckpointError(f"refusing to write the run there: {why}",
                               "choose an --out outside the model's folder")

@@ -307,3 +307,20 @@ def test_run_caps_evaluation_windows_at_a_short_context(tmp_path):
                        tmp_path / "run", log=logs.append, export_dense=False)
     assert rep.protocol["seqlen"] == 256
     assert any("capped at the model's context: 256" in m for m in logs)
+
+
+def test_the_alias_file_is_protected_like_a_path():
+    """`smollm2-135m` reads a GGUF inside an installed package: an output folder holding
+    it is refused like one holding a model path (checked without writing anything)."""
+    from edgeprune.checkpoint import check_out_dir
+    from edgeprune.errors import CheckpointError
+    from edgeprune.models import local_source, resolve_alias
+    from edgeprune.pipeline import _check_out
+
+    gguf = resolve_alias("smollm2-135m").resolve()
+    assert local_source("smollm2-135m") == gguf
+    assert local_source("owner/some-hub-model") is None
+    with pytest.raises(CheckpointError, match="holds the input model file"):
+        _check_out(gguf.parent, "fingerprint", True, "smollm2-135m")
+    with pytest.raises(CheckpointError, match="holds the input model file"):
+        check_out_dir(gguf.parent, [local_source("smollm2-135m")], True)
