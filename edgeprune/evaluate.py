@@ -192,7 +192,6 @@ def _as_tensor(x) -> torch.Tensor:
     return (x if isinstance(x, torch.Tensor) else torch.from_numpy(x)).float().cpu()
 
 
-@torch.no_grad()
 def _check_context(seqlen: int, *models) -> None:
     """Refuse windows longer than a torch model's trained context: positions past
     ``max_position_embeddings`` are untrained, and their perplexity would mislead."""
@@ -203,6 +202,7 @@ def _check_context(seqlen: int, *models) -> None:
                               f"(max_position_embeddings={ctx})", f"use --seqlen {ctx} or less")
 
 
+@torch.no_grad()
 def perplexity(model, tokenizer, text: str | Path | None = None, *, seqlen: int = 512,
                nwindows: int | None = 40, progress: bool = True) -> PerplexityResult:
     """Perplexity of ``model`` on ``text`` under the module's protocol.

@@ -95,6 +95,21 @@ def test_perplexity_protocol_matches_manual_computation(tiny_llama):
     assert res.protocol.seqlen == 32 and not res.protocol.bos
 
 
+def test_evaluation_builds_no_autograd_graph(tiny_llama):
+    """perplexity/fidelity run under no_grad: a graph over every window's logits would
+    cost the memory of a training step on a real model."""
+    seen = []
+
+    def fn(ids):
+        seen.append(torch.is_grad_enabled())
+        return tiny_llama(ids).logits
+
+    text = "hello world, " * 200
+    perplexity(fn, CharTokenizer(), text, seqlen=32, nwindows=2, progress=False)
+    fidelity(fn, fn, CharTokenizer(), text, seqlen=32, nwindows=2, progress=False)
+    assert len(seen) == 6 and not any(seen)
+
+
 def test_fidelity_of_model_to_itself_is_perfect(tiny_llama):
     tok = CharTokenizer()
     r = fidelity(tiny_llama, tiny_llama, tok, "abcdefgh " * 100, seqlen=32, nwindows=2, progress=False)
