@@ -287,7 +287,7 @@ def check_out_dir(out: Path, sources: list[Path], overwrite: bool, run_id: str =
     Raises:
         CheckpointError: naming the folder and the fix.
     """
-    from exporters.folder import foreign_entries, source_conflict
+    from exporters.folder import foreign_entries, shown_names, source_conflict
 
     why = source_conflict(out, sources)
     if why:
@@ -298,9 +298,8 @@ def check_out_dir(out: Path, sources: list[Path], overwrite: bool, run_id: str =
     if out.exists() and any(out.iterdir()):
         other = foreign_entries(out, marker=CHECKPOINT_JSON)
         if other:
-            shown = ", ".join(other[:4]) + (", ..." if len(other) > 4 else "")
             raise CheckpointError(f"{out} holds files that are not an edgeprune checkpoint "
-                                  f"({shown}); overwrite only replaces an earlier checkpoint",
+                                  f"({shown_names(other)}); overwrite only replaces an earlier checkpoint",
                                   "choose a new or empty output folder")
         if not overwrite:
             same = False

@@ -318,6 +318,10 @@ def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head
         raise ConfigError("--leank-mask and --k-keep both given: the mask already fixes the "
                           "kept channels", "pass --leank-mask alone, or --k-keep alone to "
                           "learn a new mask")
+    if act_sparsity is not None:
+        from . import countdown as cd
+
+        act_sparsity = cd.check_act_sparsity(act_sparsity)
     p = Path(checkpoint)
     quantized, sparsity, prov = None, None, {"source": checkpoint}
     if p.is_dir() and ckpt.is_edgeprune_checkpoint(p):
@@ -335,10 +339,7 @@ def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head
                   group_size=group_size, max_length=max_length, provenance=prov, overwrite=overwrite)
     calib_ids = None
     if act_sparsity is not None:
-        from . import countdown as cd
         from .calibration import build_calibration
-
-        cd.check_act_sparsity(act_sparsity)      # before minutes of calibration
 
         calib_ids = build_calibration(tok, calib, nsamples=16, seqlen=512, model=model).input_ids
     if k_keep is not None or leank_mask:
@@ -360,9 +361,7 @@ def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head
     elif act_sparsity is not None:
         from exporters.countdown import export_countdown
 
-        from . import countdown as cd
-
-        spec = cd.calibrate(model, calib_ids, cd.check_act_sparsity(act_sparsity), mode=countdown_mode)
+        spec = cd.calibrate(model, calib_ids, act_sparsity, mode=countdown_mode)
         res = export_countdown(model, tok, out, spec, **kwargs)
     else:
         res = exporters.export_onnx(model, tok, out, **kwargs)

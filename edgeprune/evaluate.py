@@ -91,17 +91,11 @@ class FidelityResult:
         return d
 
 
-def _is_file(text: str) -> bool:
+def _exists(text) -> bool:
+    """``text`` names an existing file or folder."""
     try:
-        return Path(text).expanduser().is_file()
+        return Path(text).expanduser().exists()
     except (OSError, ValueError):  # too long / NUL byte: a literal text, not a path
-        return False
-
-
-def _is_dir(text) -> bool:
-    try:
-        return Path(text).expanduser().is_dir()
-    except (OSError, ValueError):
         return False
 
 
@@ -118,7 +112,7 @@ def resolve_text(text: str | Path | None) -> tuple[str, str]:
     """
     if text is None or str(text) == "default":
         return default_text("heldout"), "default:pydoc_data.topics[heldout]"
-    if isinstance(text, Path) or _is_file(text) or _is_dir(text):
+    if isinstance(text, Path) or _exists(text):
         p = Path(text).expanduser()
         if p.is_dir():
             raise CalibrationError(f"evaluation text {p} is a folder", "pass a text, JSONL or Parquet file")

@@ -162,7 +162,7 @@ def _check_out(out: Path, fingerprint: str, overwrite: bool, model: str | None =
     input model's folder (or is or holds the model file); a folder with anything besides
     an earlier run's :data:`RUN_ENTRIES` (its ``report.json`` carrying a ``fingerprint``),
     even with ``overwrite``; a different run without ``overwrite``."""
-    from exporters.folder import foreign_entries, source_conflict
+    from exporters.folder import foreign_entries, shown_names, source_conflict
 
     from .models import local_source
 
@@ -182,11 +182,10 @@ def _check_out(out: Path, fingerprint: str, overwrite: bool, model: str | None =
         prev = json.loads((out / "report.json").read_text()).get("fingerprint")
     except (OSError, ValueError, AttributeError):
         prev = None
-    other = foreign_entries(out, RUN_ENTRIES) if prev else sorted(p.name for p in out.iterdir())
+    other = foreign_entries(out, RUN_ENTRIES if prev else ())   # no run report: every name
     if other:
-        shown = ", ".join(other[:4]) + (", ..." if len(other) > 4 else "")
         raise CheckpointError(f"output folder {out} holds files that are not part of an edgeprune "
-                              f"run ({shown}); a run only ever replaces an earlier run's folder",
+                              f"run ({shown_names(other)}); a run only ever replaces an earlier run's folder",
                               "choose another --out, or an empty or new folder")
     if prev != fingerprint and not overwrite:
         raise CheckpointError(f"output folder {out} already holds a different run",

@@ -64,11 +64,12 @@ def check_out_dir(out_dir: Path, source_dirs: list[Path], overwrite: bool) -> No
         other = foreign_entries(out, marker="edgeprune.json")
         if other:
             raise ExportError(f"output folder {out_dir} holds files that are not an edgeprune "
-                              f"export ({_shown(other)}); overwrite only replaces an earlier export",
+                              f"export ({shown_names(other)}); overwrite only replaces an earlier export",
                               "choose a new or empty output path")
 
 
-def _shown(names: list[str], k: int = 4) -> str:
+def shown_names(names: list[str], k: int = 4) -> str:
+    """The first ``k`` names for an error message, ``", ..."`` after them when cut."""
     return ", ".join(names[:k]) + (", ..." if len(names) > k else "")
 
 
