@@ -36,7 +36,7 @@ from onnx import TensorProto
 from runtime.errors import ExportError, UnsupportedArchitectureError
 
 from .graph import MS_DOMAIN, GraphBuilder, onnx_dtype
-from .int4 import (IntWeight, can_fuse, concat_n, default_zero_points, from_quantized,
+from .int4 import (IntWeight, can_fuse, concat_n, default_zero_points, from_quantized, q8_head_block,
                    pack_matmulnbits, rtn_int)
 
 
@@ -385,8 +385,7 @@ class DecoderBuilder:
                 # 40x512, only the tied table quantized: 28.719 vs 28.718, dense 28.738)
                 # and its matmul is ~5% faster, but through the int8-activation kernel it
                 # cost more (compact 2:4 export +0.57% vs +0.36% over PyTorch)
-                bs = next((b for b in (128, 64) if w.shape[1] % b == 0), 32) \
-                    if head_mode == "q8" else 32
+                bs = q8_head_block(w.shape[1]) if head_mode == "q8" else 32
                 self._head_int = rtn_int(w, 8 if head_mode == "q8" else 4, bs)
         if self._head_int is not None:
             self.int_weights["lm_head" if not tied else "model.embed_tokens"] = self._head_int

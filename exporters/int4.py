@@ -139,6 +139,12 @@ def from_quantized(qw, name: str = "layer") -> IntWeight:
                      perm=perm, sym=bool(getattr(qw, "sym", False)))
 
 
+def q8_head_block(K: int) -> int:
+    """Block size of the exporter's 8-bit ``lm_head`` over ``K`` input features: the
+    largest of 128 / 64 dividing ``K`` (fewer scale bytes read per token), else 32."""
+    return next((b for b in (128, 64) if K % b == 0), 32)
+
+
 def rtn_int(w: np.ndarray, bits: int = 4, group_size: int = 32, sym: bool = False) -> IntWeight:
     """Round-to-nearest group-wise quantization of ``w float [N, K]`` (numpy).
 

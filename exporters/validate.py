@@ -144,12 +144,11 @@ def head_int4_cost(model, ids: np.ndarray, int_weights: dict, head: str) -> dict
     (int4 heads are known to make small models repeat themselves)."""
     import torch
 
-    from .int4 import rtn_int
+    from .int4 import q8_head_block, rtn_int
 
     w = model.get_submodule(head).weight.detach().float().numpy()
     q8 = dict(int_weights)
-    # the exporter's own 8-bit head: the largest block of (128, 64) dividing K, else 32
-    q8[head] = rtn_int(w, 8, next((b for b in (128, 64) if w.shape[1] % b == 0), 32))
+    q8[head] = rtn_int(w, 8, q8_head_block(w.shape[1]))    # the exporter's own 8-bit head
     with torch.no_grad():
         with substituted_weights(model, int_weights):
             p4 = _ppl(model(torch.from_numpy(ids)).logits.float().numpy(), ids)
