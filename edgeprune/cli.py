@@ -276,7 +276,7 @@ def _load_any(source: str, threads=None):
 @click.option("--accuracy-level", type=int, default=4, show_default=True,
               help="MatMulNBits compute: 4 = int8 activations (fast), 0 = fp32.")
 @click.option("--accuracy-level-for", "accuracy_levels", multiple=True, metavar="SUFFIX=LEVEL",
-              help="Per-layer override, e.g. down_proj=0 (repeatable).")
+              help="Per-projection override, e.g. down_proj=0 or layers.3.mlp.down_proj=0; a projection fused with others (q/k/v, gate/up) gets its own node (repeatable).")
 @click.option("--group-size", type=int, default=64, show_default=True,
               help="RTN group size for weights quantized at export (no codes in the checkpoint).")
 @click.option("--max-length", type=int, default=None)

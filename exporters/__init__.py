@@ -22,7 +22,7 @@ import onnx
 
 from runtime.errors import ExportError
 
-from .decoder import BUILDERS, BuildOptions, DecoderSpec, accuracy_level_for
+from .decoder import BUILDERS, BuildOptions, DecoderSpec, accuracy_level_for, name_ends_with
 from .folder import (atomic_folder, check_disk, check_out_dir, row_read_ranges, save_external,
                      save_tokenizer, write_json)
 
@@ -88,7 +88,7 @@ def _source_dirs(model, provenance: Optional[dict]) -> list[Path]:
     return out
 
 
-def check_export_args(precision: str = "int4", group_size: int = 32, accuracy_level: int = 4,
+def check_export_args(precision: str = "int4", group_size: int = 64, accuracy_level: int = 4,
                       max_length: Optional[int] = None) -> None:
     """Check :func:`export_onnx`'s numeric options before any work (the CLI calls it
     before loading the model or calibrating).
@@ -117,7 +117,7 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
                 sparsity: Optional[dict] = None, sparse_24: bool = False,
                 compact_24: bool = False, graph: str = "fused", lm_head: Optional[str] = None,
                 accuracy_level: int = 4, accuracy_levels: Optional[dict] = None,
-                group_size: int = 32, max_length: Optional[int] = None,
+                group_size: int = 64, max_length: Optional[int] = None,
                 provenance: Optional[dict] = None, overwrite: bool = False,
                 validate: bool = True, external_data: Optional[bool] = None,
                 parity_tokens: int = 64, leank=None, leank_sink: Optional[int] = None,
@@ -150,7 +150,7 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
             (SiLU(gate)*up, with outliers) carry most of level 4's perplexity cost; see the
             README for the measured trade-off.
         group_size: RTN group size for linears quantized here: a power of two >= 16
-            (``MatMulNBits`` block sizes).
+            (``MatMulNBits`` block sizes); 64 by default, like the CLI's ``--group-size``.
         max_length: context length in tokens the rotary caches and KV buffers cover
             (>= 1; default: the config's ``max_position_embeddings``, capped at 8192).
         provenance: free-form dict stored in ``edgeprune.json``.
@@ -232,7 +232,7 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
     proto = builder.build()
     t_build = time.perf_counter()
     for k in accuracy_levels:           # a typo would otherwise change nothing, silently
-        if not any(n.endswith(k) for n in builder.accuracy_names):
+        if not any(name_ends_with(n, k) for n in builder.accuracy_names):
             if not builder.accuracy_names:
                 raise ExportError(f"accuracy level override {k!r}: this export has no MatMulNBits "
                                   f"node (precision {precision}, graph {graph})",

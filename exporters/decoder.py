@@ -108,11 +108,23 @@ class DecoderSpec:
                    rope_scaling=dict(rp) if rp else None)
 
 
-def accuracy_level_for(name: str, default: int, overrides: Optional[dict]) -> int:
-    """``MatMulNBits`` accuracy level of the node ``name``: the first ``overrides``
-    suffix it ends with (``{"down_proj": 0}``), else ``default``."""
+def name_ends_with(name: str, suffix: str) -> bool:
+    """Whether ``suffix`` ends ``name`` on a name-segment boundary (``.`` or ``/``):
+    ``down_proj`` ends ``layers.0.mlp.down_proj``, but ``v_proj`` does not end the fused
+    ``layers.0.attn.qkv_proj`` nor ``up_proj`` the fused ``gate_up_proj``."""
+    if not name.endswith(suffix):
+        return False
+    return len(name) == len(suffix) or suffix[0] in "./" or name[-len(suffix) - 1] in "./"
+
+
+def accuracy_level_for(name: str, default: int, overrides: Optional[dict],
+                       node: Optional[str] = None) -> int:
+    """``MatMulNBits`` accuracy level of the projection ``name`` (a module name such as
+    ``model.layers.0.self_attn.v_proj``, or ``lm_head``) computed in the node ``node``:
+    the first ``overrides`` suffix that ends either name on a segment boundary
+    (``{"down_proj": 0}``, ``{"qkv_proj": 0}`` for a fused q/k/v node), else ``default``."""
     for suffix, lvl in (overrides or {}).items():
-        if name.endswith(suffix):
+        if name_ends_with(name, suffix) or (node is not None and name_ends_with(node, suffix)):
             return int(lvl)
     return default
 
@@ -235,12 +247,16 @@ class DecoderBuilder:
     def has_bias(self, module_name: str) -> bool:
         return getattr(self.modules.get(module_name), "bias", None) is not None
 
-    def linear(self, x: str, module_names: list[str], name: str, bias: Optional[bool] = None) -> str:
+    def linear(self, x: str, module_names: list[str], name: str, bias: Optional[bool] = None,
+               levels: Optional[list[int]] = None) -> str:
         """``x @ concat(W_i)^T (+ b)`` for modules fused along the output axis.
 
         int weights -> ``MatMulNBits`` (fused graph) or ``DequantizeLinear`` + ``MatMul``
         (plain graph); float weights -> ``MatMul`` with a ``[K, N]`` initializer.
-        Parts that cannot be fused exactly are computed separately and concatenated.
+        Parts that cannot be fused exactly, or that were given different accuracy levels
+        (``accuracy_levels={"v_proj": 0}`` keeps q/k at the default), are computed
+        separately and concatenated. ``levels``: the parts' accuracy levels (computed
+        here from the module names and ``name`` when not given).
         """
         for m in module_names:
             mod = self.modules.get(m)
@@ -254,9 +270,12 @@ class DecoderBuilder:
         if bias is None:
             bias = any(self.has_bias(m) for m in module_names)
         ints = [self.weight_int(m) for m in module_names]
+        if levels is None:
+            levels = [self._accuracy_level(m, node=name) if w is not None and self.fused else None
+                      for m, w in zip(module_names, ints)]
         out = None
-        if all(w is not None for w in ints) and can_fuse(ints):
-            out = self._int_matmul(x, concat_n(ints), name)
+        if all(w is not None for w in ints) and can_fuse(ints) and len(set(levels)) == 1:
+            out = self._int_matmul(x, concat_n(ints), name, level=levels[0])
             for m, w in zip(module_names, ints):
                 self.quant_summary[m] = f"int{w.bits} block {w.block_size}"
         elif all(w is None for w in ints):
@@ -269,12 +288,14 @@ class DecoderBuilder:
             for j in range(1, len(module_names)):
                 prev = [ints[k] for k in runs[-1]]
                 if (ints[j] is None) == (prev[0] is None) and \
-                        (ints[j] is None or can_fuse(prev + [ints[j]])):
+                        (ints[j] is None or (can_fuse(prev + [ints[j]]) and
+                                             levels[j] == levels[runs[-1][0]])):
                     runs[-1].append(j)
                 else:
                     runs.append([j])
             outs = [self.linear(x, [module_names[k] for k in r],
-                                f"{name}_" + "_".join(module_names[k].split(".")[-1] for k in r))
+                                f"{name}_" + "_".join(module_names[k].split(".")[-1] for k in r),
+                                levels=[levels[k] for k in r])
                     for r in runs]
             return self.g.concat(outs, axis=-1, name=name + "/concat")
         if bias:
@@ -301,12 +322,13 @@ class DecoderBuilder:
             self._perm_cache[key] = self.g.gather(x, idx, axis=-1, name="act_order")
         return self._perm_cache[key]
 
-    def _accuracy_level(self, name: str) -> int:
-        """:func:`accuracy_level_for` with this build's options."""
-        self.accuracy_names.add(name)
-        return accuracy_level_for(name, self.opts.accuracy_level, self.opts.accuracy_levels)
+    def _accuracy_level(self, name: str, node: Optional[str] = None) -> int:
+        """:func:`accuracy_level_for` with this build's options (the names are kept for
+        the check that every override matched something)."""
+        self.accuracy_names.update(n for n in (name, node) if n is not None)
+        return accuracy_level_for(name, self.opts.accuracy_level, self.opts.accuracy_levels, node)
 
-    def _int_matmul(self, x: str, w: IntWeight, name: str) -> str:
+    def _int_matmul(self, x: str, w: IntWeight, name: str, level: Optional[int] = None) -> str:
         g = self.g
         if w.perm is not None:
             x = self._permuted(x, w.perm)
@@ -318,7 +340,8 @@ class DecoderBuilder:
                 ins.append(g.initializer(name + ".qzeros", zp))
             return g.node("MatMulNBits", ins,
                           name=name, domain=MS_DOMAIN, K=w.K, N=w.N, bits=w.bits,
-                          block_size=w.block_size, accuracy_level=self._accuracy_level(name))
+                          block_size=w.block_size,
+                          accuracy_level=self._accuracy_level(name) if level is None else level)
         return g.matmul(x, self._dequant_linear(w, name), name=name)
 
     def _dequant_linear(self, w: IntWeight, name: str) -> str:

@@ -64,7 +64,7 @@ def test_fp32_greedy_matches_torch_64(smollm2, fp32_folder, wiki_ids):
 
 
 def test_int4_size_and_agreement(smollm2, fp32_folder, tmp_path):
-    """int4 (RTN g32 asym + 8-bit head): <= 0.35x the fp32 file; the export's own
+    """int4 (RTN g64 asym, the export default, + 8-bit head): <= 0.35x the fp32 file; the export's own
     validation compares a 256-token WikiText-like window against the torch model with
     the exported integer weights substituted (the fake-quantized model)."""
     model, tok = smollm2

@@ -175,6 +175,38 @@ def test_per_layer_accuracy_level(tiny_llama, tok, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def _node_levels(folder) -> dict:
+    return {n.name.split("/")[0]: {a.name: a.i for a in n.attribute}["accuracy_level"]
+            for n in onnx.load(str(folder / "model.onnx")).graph.node if n.op_type == "MatMulNBits"}
+
+
+@pytest.mark.parametrize("overrides, expect", [
+    # a projection's override splits it out of its fused node; its neighbours keep level 4
+    ({"v_proj": 0}, {"layers.0.attn.qkv_proj_q_proj_k_proj": 4, "layers.0.attn.qkv_proj_v_proj": 0,
+                     "layers.0.mlp.gate_up_proj": 4}),
+    ({"up_proj": 0}, {"layers.0.attn.qkv_proj": 4, "layers.0.mlp.gate_up_proj_gate_proj": 4,
+                      "layers.0.mlp.gate_up_proj_up_proj": 0}),
+    # the fused node's own name still applies to all its parts, which stay fused
+    ({"qkv_proj": 0}, {"layers.0.attn.qkv_proj": 0, "layers.0.attn.o_proj": 4}),
+    ({"layers.1.mlp.down_proj": 0}, {"layers.0.mlp.down_proj": 4, "layers.1.mlp.down_proj": 0}),
+])
+def test_accuracy_level_override_names_one_projection(tiny_llama, tok, tmp_path, overrides, expect):
+    """accuracy_levels keys match projection names on a name-segment boundary: "v_proj"
+    used to match the fused "qkv_proj" node by its last characters (and "up_proj" the
+    fused "gate_up_proj"), moving q and k (gate) to the overridden level too."""
+    model = tiny_llama
+    qmap = _rtn_map(model)
+    _fake_quant(model, qmap)
+    _export(model, tok, tmp_path / "m", precision="int4", quantized=qmap, accuracy_level=4,
+            accuracy_levels=overrides, lm_head="fp", validate=False)
+    lv = _node_levels(tmp_path / "m")
+    assert {k: lv.get(k) for k in expect} == expect
+    ids = rand_ids(24, seed=3)
+    with runtime.load(tmp_path / "m") as s:     # split nodes compute the same function
+        got = s.logits(ids)
+    np.testing.assert_allclose(got, _torch_logits(model, ids), atol=0.25)
+
+
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
 def test_mixed_bits_qkv_fuses_the_runs_it_can(arch, tok, tmp_path, request):
     """best-w4-style codes (8-bit v_proj, 4-bit q/k): q and k share one MatMulNBits, v gets
