@@ -11,7 +11,7 @@ import onnx
 import pytest
 import torch
 
-from edgeprune.cli import main
+from _cli import one_line_error, run_cli
 
 from _h3_tiny import tiny_tokenizer
 
@@ -33,20 +33,6 @@ def model_dir(tmp_path_factory) -> Path:
     return d
 
 
-def _run(argv, capsys):
-    code = main([str(a) for a in argv])
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
-
-
-def _one_line_error(code, err, *needles):
-    assert code != 0
-    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip() and "%|" not in ln]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    for n in needles:
-        assert n in lines[0], lines[0]
-
-
 def test_run_never_deletes_the_model_or_foreign_files(model_dir, tmp_path, capsys):
     import shutil
 
@@ -55,28 +41,28 @@ def test_run_never_deletes_the_model_or_foreign_files(model_dir, tmp_path, capsy
     (victim / "notes.txt").write_text("mine")
     before = sorted(p.name for p in victim.rglob("*"))
     # --out holds the model: refused even with --overwrite
-    code, _, err = _run(["run", "--model", victim / "m", "--method", "rtn", *CAL, "--out", victim,
+    code, _, err = run_cli(["run", "--model", victim / "m", "--method", "rtn", *CAL, "--out", victim,
                          "--overwrite"], capsys)
-    _one_line_error(code, err, "input model folder")
-    code, _, err = _run(["run", "--model", victim / "m", "--method", "rtn", *CAL, "--out", victim / "m",
+    one_line_error(code, err, "input model folder")
+    code, _, err = run_cli(["run", "--model", victim / "m", "--method", "rtn", *CAL, "--out", victim / "m",
                          "--overwrite"], capsys)
-    _one_line_error(code, err, "input model folder")
+    one_line_error(code, err, "input model folder")
     # a folder of other files: --overwrite only ever replaces an earlier run's folder
     other = tmp_path / "other"
     other.mkdir()
     (other / "thesis.tex").write_text("years of work")
-    code, _, err = _run(["run", "--model", model_dir, "--method", "rtn", *CAL, "--out", other,
+    code, _, err = run_cli(["run", "--model", model_dir, "--method", "rtn", *CAL, "--out", other,
                          "--overwrite"], capsys)
-    _one_line_error(code, err, "not part of an edgeprune run", "thesis.tex")
+    one_line_error(code, err, "not part of an edgeprune run", "thesis.tex")
     # a report.json of someone else's (no run fingerprint) does not make it a run folder
     (other / "report.json").write_text('{"coverage": 91}')
-    code, _, err = _run(["run", "--model", model_dir, "--method", "rtn", *CAL, "--out", other,
+    code, _, err = run_cli(["run", "--model", model_dir, "--method", "rtn", *CAL, "--out", other,
                          "--overwrite"], capsys)
-    _one_line_error(code, err, "not part of an edgeprune run", "thesis.tex")
+    one_line_error(code, err, "not part of an edgeprune run", "thesis.tex")
     # nor does an edgeprune report beside other files, whatever the fingerprint
     (other / "report.json").write_text('{"fingerprint": "0123456789abcdef"}')
-    code, _, err = _run(["run", "--model", model_dir, "--method", "rtn", *CAL, "--out", other], capsys)
-    _one_line_error(code, err, "not part of an edgeprune run", "thesis.tex")
+    code, _, err = run_cli(["run", "--model", model_dir, "--method", "rtn", *CAL, "--out", other], capsys)
+    one_line_error(code, err, "not part of an edgeprune run", "thesis.tex")
     assert sorted(p.name for p in victim.rglob("*")) == before
     assert (other / "thesis.tex").read_text() == "years of work"
 
@@ -85,29 +71,29 @@ def test_compress_and_export_never_replace_inputs_or_foreign_folders(model_dir, 
     import shutil
 
     sb = tmp_path / "sb"
-    code, _, err = _run(["compress", model_dir, "--method", "rtn", "--bits", "4", "--group-size", "32",
+    code, _, err = run_cli(["compress", model_dir, "--method", "rtn", "--bits", "4", "--group-size", "32",
                          *CAL, "--out", sb / "ck"], capsys)
     assert code == 0, err
     (sb / "notes.txt").write_text("mine")
     # export into the folder holding the checkpoint, or the checkpoint itself: refused
     for out in (sb, sb / "ck"):
-        code, _, err = _run(["export", sb / "ck", out, "--overwrite", "--max-length", "64"], capsys)
-        _one_line_error(code, err, "input model folder")
+        code, _, err = run_cli(["export", sb / "ck", out, "--overwrite", "--max-length", "64"], capsys)
+        one_line_error(code, err, "input model folder")
     # --overwrite never replaces a folder that is not an earlier export / checkpoint
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "thesis.tex").write_text("years of work")
-    code, _, err = _run(["export", sb / "ck", junk, "--overwrite", "--max-length", "64"], capsys)
-    _one_line_error(code, err, "not an edgeprune export", "thesis.tex")
-    code, _, err = _run(["compress", model_dir, "--method", "rtn", *CAL, "--out", junk, "--overwrite"],
+    code, _, err = run_cli(["export", sb / "ck", junk, "--overwrite", "--max-length", "64"], capsys)
+    one_line_error(code, err, "not an edgeprune export", "thesis.tex")
+    code, _, err = run_cli(["compress", model_dir, "--method", "rtn", *CAL, "--out", junk, "--overwrite"],
                         capsys)
-    _one_line_error(code, err, "not an edgeprune checkpoint", "thesis.tex")
+    one_line_error(code, err, "not an edgeprune checkpoint", "thesis.tex")
     assert (junk / "thesis.tex").read_text() == "years of work"
     assert (sb / "notes.txt").exists() and (sb / "ck" / "edgeprune_checkpoint.json").exists()
     # an earlier export is replaced; a folder beside a single model file is fine
-    code, _, err = _run(["export", sb / "ck", tmp_path / "ox", "--max-length", "64"], capsys)
+    code, _, err = run_cli(["export", sb / "ck", tmp_path / "ox", "--max-length", "64"], capsys)
     assert code == 0, err
-    code, _, err = _run(["export", sb / "ck", tmp_path / "ox", "--overwrite", "--max-length", "32"],
+    code, _, err = run_cli(["export", sb / "ck", tmp_path / "ox", "--overwrite", "--max-length", "32"],
                         capsys)
     assert code == 0, err
     assert json.loads((tmp_path / "ox" / "edgeprune.json").read_text())["max_length"] == 32
@@ -126,9 +112,9 @@ def test_compress_refuses_its_source_folder_before_calibrating(model_dir, capsys
         raise AssertionError("calibrated before checking --out")
 
     monkeypatch.setattr(cal, "build_calibration", boom)
-    code, _, err = _run(["compress", model_dir, "--method", "rtn", *CAL, "--out", model_dir / "ck",
+    code, _, err = run_cli(["compress", model_dir, "--method", "rtn", *CAL, "--out", model_dir / "ck",
                          "--overwrite"], capsys)
-    _one_line_error(code, err, "input model folder")
+    one_line_error(code, err, "input model folder")
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -139,13 +125,13 @@ def test_compress_refuses_its_source_folder_before_calibrating(model_dir, capsys
     (["--method", "rtn", "--device", "tpu"], "tpu"),
 ])
 def test_compress_conflicting_or_impossible_options(model_dir, tmp_path, capsys, argv, needle):
-    code, _, err = _run(["compress", model_dir, *argv, *CAL, "--out", tmp_path / "ck"], capsys)
-    _one_line_error(code, err, needle)
+    code, _, err = run_cli(["compress", model_dir, *argv, *CAL, "--out", tmp_path / "ck"], capsys)
+    one_line_error(code, err, needle)
     assert not (tmp_path / "ck").exists()
 
 
 def test_checkpoint_records_the_method_name(model_dir, tmp_path, capsys):
-    code, _, err = _run(["compress", model_dir, "--method", "rtn", "--bits", "4", "--group-size", "32",
+    code, _, err = run_cli(["compress", model_dir, "--method", "rtn", "--bits", "4", "--group-size", "32",
                          *CAL, "--out", tmp_path / "ck"], capsys)
     assert code == 0, err
     rec = json.loads((tmp_path / "ck" / "edgeprune_checkpoint.json").read_text())
@@ -162,18 +148,18 @@ def test_checkpoint_records_the_method_name(model_dir, tmp_path, capsys):
 ])
 def test_export_bad_options_are_one_line_errors(model_dir, tmp_path, capsys, argv, needle):
     out = tmp_path / "onnx"
-    code, _, err = _run(["export", model_dir, out, *argv], capsys)
-    _one_line_error(code, err, needle)
+    code, _, err = run_cli(["export", model_dir, out, *argv], capsys)
+    one_line_error(code, err, needle)
     assert list(tmp_path.iterdir()) == []            # no output, no temporary folder left
 
 
 def test_float_export_of_a_quantized_checkpoint_is_really_float(model_dir, tmp_path, capsys):
-    code, _, err = _run(["compress", model_dir, "--method", "rtn", "--bits", "4", "--group-size", "32",
+    code, _, err = run_cli(["compress", model_dir, "--method", "rtn", "--bits", "4", "--group-size", "32",
                          *CAL, "--out", tmp_path / "ck"], capsys)
     assert code == 0, err
     for prec in ("fp16", "fp32", "int4"):
         out = tmp_path / prec
-        code, stdout, err = _run(["export", tmp_path / "ck", out, "--precision", prec,
+        code, stdout, err = run_cli(["export", tmp_path / "ck", out, "--precision", prec,
                                   "--max-length", "64"], capsys)
         assert code == 0, err
         g = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
@@ -189,10 +175,10 @@ def test_float_export_of_a_quantized_checkpoint_is_really_float(model_dir, tmp_p
 
 
 def test_eval_text_missing_file_and_formats(model_dir, tmp_path, capsys):
-    code, _, err = _run(["eval", model_dir, "--text", tmp_path / "notes.md"], capsys)
-    _one_line_error(code, err, "does not exist")
-    code, _, err = _run(["eval", model_dir, "--text", "wiki.test"], capsys)
-    _one_line_error(code, err, "does not exist")
+    code, _, err = run_cli(["eval", model_dir, "--text", tmp_path / "notes.md"], capsys)
+    one_line_error(code, err, "does not exist")
+    code, _, err = run_cli(["eval", model_dir, "--text", "wiki.test"], capsys)
+    one_line_error(code, err, "does not exist")
     docs = ["The quick brown fox jumps over the lazy dog. " * 6, "Small models run on phones. " * 8]
     (tmp_path / "e.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     (tmp_path / "e.txt").write_text("\n\n".join(docs))
@@ -202,7 +188,7 @@ def test_eval_text_missing_file_and_formats(model_dir, tmp_path, capsys):
     ppl = {}
     for ext in ("txt", "jsonl", "parquet"):
         js = tmp_path / f"{ext}.json"
-        code, _, err = _run(["eval", model_dir, "--text", tmp_path / f"e.{ext}", "--seqlen", "64",
+        code, _, err = run_cli(["eval", model_dir, "--text", tmp_path / f"e.{ext}", "--seqlen", "64",
                              "--nwindows", "2", "--json", js], capsys)
         assert code == 0, err
         rec = json.loads(js.read_text())
@@ -235,10 +221,10 @@ def test_outputs_get_plain_permissions(model_dir, tmp_path, capsys):
 
     old = os.umask(0o022)
     try:
-        code, _, err = _run(["compress", model_dir, "--method", "rtn", "--bits", "4", "--group-size",
+        code, _, err = run_cli(["compress", model_dir, "--method", "rtn", "--bits", "4", "--group-size",
                              "32", *CAL, "--out", tmp_path / "ck"], capsys)
         assert code == 0, err
-        code, _, err = _run(["export", tmp_path / "ck", tmp_path / "onnx", "--max-length", "64"], capsys)
+        code, _, err = run_cli(["export", tmp_path / "ck", tmp_path / "onnx", "--max-length", "64"], capsys)
         assert code == 0, err
     finally:
         os.umask(old)
@@ -250,14 +236,14 @@ def test_outputs_get_plain_permissions(model_dir, tmp_path, capsys):
 
 def test_recipe_setting_of_the_wrong_type_is_one_line(model_dir, tmp_path, capsys):
     (tmp_path / "r.yaml").write_text("stages:\n  - method: gptq\n    bits: 4\n    blocksize: '128'\n")
-    code, _, err = _run(["compress", model_dir, "--recipe", tmp_path / "r.yaml", *CAL,
+    code, _, err = run_cli(["compress", model_dir, "--recipe", tmp_path / "r.yaml", *CAL,
                          "--out", tmp_path / "ck"], capsys)
-    _one_line_error(code, err, "blocksize='128' must be an integer", "blocksize: 128")
+    one_line_error(code, err, "blocksize='128' must be an integer", "blocksize: 128")
 
 
 def test_eval_window_longer_than_the_context_is_refused(model_dir, capsys):
-    code, _, err = _run(["eval", model_dir, "--seqlen", "1024"], capsys)   # context 512
-    _one_line_error(code, err, "max_position_embeddings=512", "--seqlen 512")
+    code, _, err = run_cli(["eval", model_dir, "--seqlen", "1024"], capsys)   # context 512
+    one_line_error(code, err, "max_position_embeddings=512", "--seqlen 512")
 
 
 def test_narrow_codes_are_labelled_and_long_contexts_warned(tiny_llama, tmp_path):
@@ -275,13 +261,13 @@ def test_narrow_codes_are_labelled_and_long_contexts_warned(tiny_llama, tmp_path
 
 def test_eval_text_paths_with_spaces_and_folders(model_dir, tmp_path, capsys):
     for text in (tmp_path / "no such dir" / "wiki.test.raw", "My Notes.txt"):
-        code, _, err = _run(["eval", model_dir, "--text", text], capsys)
-        _one_line_error(code, err, "does not exist")
-    code, _, err = _run(["eval", model_dir, "--text", tmp_path], capsys)
-    _one_line_error(code, err, "is a folder")
+        code, _, err = run_cli(["eval", model_dir, "--text", text], capsys)
+        one_line_error(code, err, "does not exist")
+    code, _, err = run_cli(["eval", model_dir, "--text", tmp_path], capsys)
+    one_line_error(code, err, "is a folder")
     (tmp_path / "E.JSONL").write_text(json.dumps({"text": "Small models run on phones. " * 20}) + "\n")
     js = tmp_path / "u.json"
-    code, _, err = _run(["eval", model_dir, "--text", tmp_path / "E.JSONL", "--seqlen", "32",
+    code, _, err = run_cli(["eval", model_dir, "--text", tmp_path / "E.JSONL", "--seqlen", "32",
                          "--nwindows", "1", "--json", js], capsys)
     assert code == 0, err
     from edgeprune.evaluate import resolve_text
