@@ -172,15 +172,13 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
                     seqlen=seqlen, seed=seed)
     rec = build_recipe(cfg)
     rec.validate()
-    outp = Path(out_dir)
-    if outp.exists() and (not outp.is_dir() or any(outp.iterdir())) and not overwrite:
-        raise EdgePruneError(f"output folder {out_dir} already exists and is not empty",
-                             "choose another --out, or pass --overwrite to replace it")
     from .models import local_source
 
     local = local_source(model)               # the input model's file or folder (aliases too)
-    if local is not None:                     # refused before any work
-        ckpt.check_out_dir(outp.expanduser().resolve(), [local], overwrite)
+    # refused before any work: the input's folder, a folder of foreign files, or another
+    # run's checkpoint without --overwrite (save_checkpoint checks again when it writes)
+    ckpt.check_out_dir(Path(out_dir).expanduser().resolve(), [local] if local is not None else [],
+                       overwrite)
     con = _console()
     m, tok, src = load_model(model, return_source=True, device=device)
     check_recipe(m, rec)                     # shapes vs recipe before calibrating

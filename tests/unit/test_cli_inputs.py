@@ -88,6 +88,10 @@ def test_compress_and_export_never_replace_inputs_or_foreign_folders(model_dir, 
     code, _, err = run_cli(["compress", model_dir, "--method", "rtn", *CAL, "--out", junk, "--overwrite"],
                         capsys)
     one_line_error(code, err, "not an edgeprune checkpoint", "thesis.tex")
+    # without --overwrite an earlier checkpoint is kept; a file is no output folder
+    for out, needle in ((sb / "ck", "--overwrite"), (junk / "thesis.tex", "not a folder")):
+        code, _, err = run_cli(["compress", model_dir, "--method", "rtn", *CAL, "--out", out], capsys)
+        one_line_error(code, err, needle)
     assert (junk / "thesis.tex").read_text() == "years of work"
     assert (sb / "notes.txt").exists() and (sb / "ck" / "edgeprune_checkpoint.json").exists()
     # an earlier export is replaced; a folder beside a single model file is fine
