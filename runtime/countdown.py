@@ -76,7 +76,7 @@ class CountdownSession(Session):
     # -------------------------------------------------------------- decode hooks
     def _prefill(self, prompts, need=None) -> dict:
         st = super()._prefill(prompts, need)
-        if self._has_kept and "binding" in st and self.device == "cpu":
+        if self._has_kept and "binding" in st and self.in_place_io:
             buf = np.zeros((len(self.countdown.get("thresholds") or []) or
                             int(self.meta["num_layers"]),), np.int64)
             st["binding"].bind_ortvalue_output(KEPT_OUTPUT, ort.OrtValue.ortvalue_from_numpy(buf))

@@ -130,11 +130,13 @@ class ConcatKVCache:
             binding.bind_output(f"present.{i}.key", self.device)
             binding.bind_output(f"present.{i}.value", self.device)
 
-    def update(self, outputs: list, names: list[str]) -> None:
-        """Take the present OrtValues of a finished run as the new past."""
-        by = dict(zip(names, outputs))
-        self.values = [(by[f"present.{i}.key"], by[f"present.{i}.value"])
-                       for i in range(self.spec.num_layers)]
+    def update(self, outputs: list) -> None:
+        """Take the present OrtValues of a finished run as the new past: ``outputs`` are
+        the binding's outputs in the order :meth:`bind` bound them (onnxruntime returns
+        bound outputs in binding order, not in the graph's output order)."""
+        if len(outputs) != 2 * self.spec.num_layers:
+            raise ValueError(f"expected {2 * self.spec.num_layers} present tensors, got {len(outputs)}")
+        self.values = [(outputs[2 * i], outputs[2 * i + 1]) for i in range(self.spec.num_layers)]
 
 
 __all__ = ["KVSpec", "SharedKVCache", "ConcatKVCache"]

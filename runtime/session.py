@@ -139,6 +139,10 @@ class Session:
                                   "use 'error' or 'sliding_window'")
         self.context_policy = context_policy
         self.device = "cpu" if device == "cpu" else "cuda"
+        # CPU decode steps read inputs from and write logits to numpy buffers bound once
+        # (in place); on a GPU each step binds its inputs and takes the logits from
+        # the binding's outputs (the generic path, also reachable on CPU for tests)
+        self.in_place_io = self.device == "cpu"
         sparse = isinstance(self.meta.get("sparsity"), dict) and \
             self.meta["sparsity"].get("pattern") == "2:4"
         # the tokenizer first: its transient parse memory is freed before onnxruntime's
@@ -341,9 +345,9 @@ class Session:
         bd.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
         bd.bind_cpu_input("num_logits_to_keep", np.array(keep, np.int64))
         cache.bind(bd)
-        bd.bind_output("logits", "cpu")
+        bd.bind_output("logits", "cpu")          # bound last: the last output (binding order)
         self.sess.run_with_iobinding(bd)
-        return bd.get_outputs()[self.output_names.index("logits")].numpy()
+        return bd.get_outputs()[-1].numpy()
 
     def _run_plain(self, ids, mask, pos, keep, cache: ConcatKVCache) -> np.ndarray:
         bd = self.sess.io_binding()
@@ -352,11 +356,11 @@ class Session:
         bd.bind_cpu_input("position_ids", np.ascontiguousarray(pos))
         bd.bind_cpu_input("num_logits_to_keep", np.array(keep, np.int64))
         cache.bind(bd)
-        bd.bind_output("logits", "cpu")
+        bd.bind_output("logits", "cpu")          # bound last: the last output (binding order)
         self.sess.run_with_iobinding(bd)
         outs = bd.get_outputs()
-        cache.update(outs, self.output_names)
-        return outs[self.output_names.index("logits")].numpy()
+        cache.update(outs[:-1])
+        return outs[-1].numpy()
 
     # -------------------------------------------------------------- generate
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -596,15 +600,16 @@ class Session:
         st["keep"] = np.ones((), np.int64)
         st["logits_buf"] = np.zeros((B, 1, self.vocab_size), np.float32)
         bd = self.sess.io_binding()
-        if self.device == "cpu":
+        if self.in_place_io:
             for name, arr in (("input_ids", st["ids"]), ("seqlens_k", st["seqlens"]),
                               ("total_sequence_length", st["total"]),
                               ("num_logits_to_keep", st["keep"])):
                 bd.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
             bd.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(st["logits_buf"]))
+            cache.bind(bd)
         else:
-            bd.bind_output("logits", "cpu")
-        cache.bind(bd)
+            cache.bind(bd)
+            bd.bind_output("logits", "cpu")      # bound last: the last output (binding order)
         st["binding"] = bd
         st["logits"] = logits
         return st
@@ -638,13 +643,13 @@ class Session:
         lens += 1
         st["total"][()] = int(lens.max())
         bd = st["binding"]
-        if self.device != "cpu":
+        if not self.in_place_io:
             bd.bind_cpu_input("input_ids", st["ids"])
             bd.bind_cpu_input("seqlens_k", st["seqlens"])
             bd.bind_cpu_input("total_sequence_length", st["total"])
             bd.bind_cpu_input("num_logits_to_keep", st["keep"])
             self.sess.run_with_iobinding(bd)
-            return bd.get_outputs()[self.output_names.index("logits")].numpy()[:, -1]
+            return bd.get_outputs()[-1].numpy()[:, -1]
         _run_bound(self.sess, bd)
         return st["logits_buf"][:, 0]
 

@@ -57,6 +57,22 @@ def test_greedy_matches_torch_64_tokens(folders, graph):
     assert res.ttft_ms > 0 and res.decode_tok_s > 0 and res.finish_reasons == ["length"]
 
 
+def test_generic_binding_path_matches_in_place(folders):
+    """The decode path GPU sessions take (inputs bound each step, logits taken from the
+    binding's outputs) gives the CPU path's tokens: onnxruntime returns bound outputs in
+    binding order, and this path used to bind the logits first, then read the output at
+    the graph's logits index - a KV buffer."""
+    model, f = folders
+    ids = rand_ids(10, seed=5)[0].tolist()
+    with runtime.load(f["fused"]) as s:
+        s.eos_token_ids = []
+        ref = s.generate([ids, ids[:6]], max_new_tokens=12).token_ids
+        s.in_place_io = False
+        s._caches.clear()
+        got = s.generate([ids, ids[:6]], max_new_tokens=12).token_ids
+    assert got == ref and ref[0] == _torch_greedy(model, np.array([ids]), 12)
+
+
 @pytest.mark.parametrize("graph", ["fused", "plain"])
 def test_left_padding_invisible(folders, graph):
     """A prompt alone and in a batch beside a longer one: same logits, same tokens."""
