@@ -364,15 +364,24 @@ def _atomic_write(path: Path, data: bytes) -> None:
 # ------------------------------------------------------------------------------------------
 
 class _RSSWatch:
-    """Samples this process's RSS every ``interval`` s; exits the process if over ``budget``."""
+    """Samples this process's RSS every ``interval`` s against ``budget`` (bytes).
 
-    def __init__(self, budget: Optional[int], status_path: Optional[str], interval: float = 0.002):
+    In the isolated worker (``status_path`` given) an RSS over the budget writes the
+    status file and ends the process at once (exit code ``_BUDGET_EXIT``), before the
+    machine runs out of memory. In the caller's own process (``isolate=False``) it only
+    records the excess: :meth:`check`, called between runs, raises ``DeviceError``
+    (a run in progress is not interrupted)."""
+
+    def __init__(self, budget: Optional[int], status_path: Optional[str], profile_name: str = "",
+                 interval: float = 0.002):
         import psutil
         self._proc = psutil.Process()
         self.budget = budget
         self.status_path = status_path
+        self.profile_name = profile_name
         self.interval = interval
         self.peak = self.rss()
+        self.exceeded: Optional[int] = None
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
@@ -384,11 +393,19 @@ class _RSSWatch:
             r = self.rss()
             self.peak = max(self.peak, r)
             if self.budget and r > self.budget:
-                if self.status_path:
+                if self.status_path is None:
+                    self.exceeded = max(self.exceeded or 0, r)
+                else:
                     Path(self.status_path).write_text(json.dumps({"error": "memory_budget", "rss_bytes": r,
                                                                   "budget_bytes": self.budget}))
-                os._exit(_BUDGET_EXIT)
+                    os._exit(_BUDGET_EXIT)
             self._stop.wait(self.interval)
+
+    def check(self) -> None:
+        """Raise ``DeviceError`` if the RSS has gone over the budget (in-process mode)."""
+        r = max(self.exceeded or 0, self.rss() if self.budget else 0)
+        if self.budget and r > self.budget:
+            raise _budget_error(r, self.budget, self.profile_name)
 
     def __enter__(self):
         self._t.start()
@@ -397,6 +414,13 @@ class _RSSWatch:
     def __exit__(self, *exc):
         self._stop.set()
         self._t.join()
+
+
+def _budget_error(rss: int, budget: int, name: str) -> DeviceError:
+    return DeviceError(
+        f"peak RSS {rss / MiB:.1f} MiB exceeded the memory budget of profile "
+        f"{name!r} ({budget / MiB:.1f} MiB); the run was stopped",
+        "use a smaller export (int4), shorter --prompt-len/--gen-len/--sweep, or a profile with a larger budget")
 
 
 def _vm_hwm() -> int:
@@ -426,11 +450,12 @@ def _measure(cfg: dict) -> dict:
     """Run the measurements of one profile (called in the worker process)."""
     import runtime
 
-    with _RSSWatch(cfg.get("budget_bytes"), cfg.get("status_path")) as watch:
+    with _RSSWatch(cfg.get("budget_bytes"), cfg.get("status_path"), cfg.get("profile_name", "")) as watch:
         rss_start = watch.rss()
         sess = runtime.load(cfg["folder"], device=cfg["device"], threads=cfg["threads"],
                             max_length=cfg.get("max_length"))
         rss_loaded = watch.rss()
+        watch.check()
         # Every run must produce exactly gen_len tokens: disable the end-of-sequence stop.
         if hasattr(sess, "eos_token_ids"):
             sess.eos_token_ids = []
@@ -440,6 +465,7 @@ def _measure(cfg: dict) -> dict:
         ttft, prefill, steps, decode_runs = [], [], [], []
         for _ in range(int(cfg["repeat"])):
             r = sess.generate(ids, max_new_tokens=G)
+            watch.check()
             ttft.append(r.ttft_ms)
             prefill.append(r.prefill_tok_s)
             steps.extend(r.step_ms)
@@ -449,6 +475,7 @@ def _measure(cfg: dict) -> dict:
         sweep = []
         for c in cfg.get("sweep") or []:
             r = sess.generate(_prompt_ids(sess.tokenizer, int(c), int(sess.vocab_size)), max_new_tokens=SWEEP_NEW_TOKENS)
+            watch.check()
             st = float(np.median(r.step_ms)) if r.step_ms else float("nan")
             kv = sess.kv_cache_bytes(int(c) + SWEEP_NEW_TOKENS)
             sweep.append({"context": int(c), "decode_step_ms": st, "decode_tok_s": 1000.0 / st if st > 0 else 0.0,
@@ -488,10 +515,7 @@ def _run_worker(cfg: dict, isolate: bool, timeout: float) -> dict:
                               "lower --repeat / --gen-len / the sweep, or raise the timeout") from e
         if proc.returncode == _BUDGET_EXIT and Path(cfg["status_path"]).exists():
             st = json.loads(Path(cfg["status_path"]).read_text())
-            raise DeviceError(
-                f"peak RSS {st['rss_bytes'] / MiB:.1f} MiB exceeded the memory budget of profile "
-                f"{cfg['profile_name']!r} ({st['budget_bytes'] / MiB:.1f} MiB); the run was stopped",
-                "use a smaller export (int4), shorter --prompt-len/--gen-len/--sweep, or a profile with a larger budget")
+            raise _budget_error(st["rss_bytes"], st["budget_bytes"], cfg["profile_name"])
         if proc.returncode != 0 or not out_path.exists():
             tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-12:]
             err = json.loads(out_path.read_text()) if out_path.exists() else {}
@@ -542,7 +566,9 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
             the host, else every non-host profile).
         out_dir: where the sweep PNG goes (default ``runs/profile-<name>`` in the cwd).
         isolate: measure in a fresh subprocess importing only the runtime (True; False
-            runs in this process, RSS then includes the caller's memory).
+            runs in this process: RSS then includes the caller's memory, and the memory
+            budget is checked between runs, raising ``DeviceError``, where the isolated
+            worker is stopped the moment it goes over).
         timeout: seconds before the worker is abandoned.
 
     Returns:
