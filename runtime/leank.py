@@ -142,17 +142,14 @@ class LeanKSession(Session):
         Raises:
             GenerationError: padding in ``attention_mask``, or ``S > max_length``.
         """
-        ids = np.asarray(input_ids, dtype=np.int64)
-        if ids.ndim == 1:
-            ids = ids[None]
+        self._check_open()
+        ids, mask = self._logits_inputs(input_ids, attention_mask)
         B, S = ids.shape
-        if attention_mask is not None and not np.all(np.asarray(attention_mask) == 1):
+        if not np.all(mask == 1):
             raise GenerationError("LeanK sessions need unpadded rows of equal length",
                                   "run rows of different lengths one by one")
-        if S > self.max_length:
-            raise GenerationError(f"{S} tokens exceed max_length={self.max_length}",
-                                  "evaluate shorter windows")
-        with self._lock:
+        self._acquire()
+        try:
             caches = self.empty_caches(B)
             step = int(chunk or S)
             outs = []
@@ -160,6 +157,8 @@ class LeanKSession(Session):
                 part = ids[:, a:a + step]
                 outs.append(self._run(part, part.shape[1], caches))
             return np.concatenate(outs, axis=1)
+        finally:
+            self._lock.release()
 
     def _prefill(self, prompts, need=None) -> dict:
         lens = {len(p) for p in prompts}
@@ -189,13 +188,16 @@ class LeanKSession(Session):
         caches = self.synthetic_caches(context - 1, 1, seed)
         ids = np.array([[1]], np.int64)
         times = []
-        with self._lock:
+        self._acquire()
+        try:
             for s in range(warmup + steps):
                 c = dict(caches)          # restart from the same length each step
                 t0 = time.perf_counter()
                 self._run(ids, 1, c)
                 if s >= warmup:
                     times.append(time.perf_counter() - t0)
+        finally:
+            self._lock.release()
         med = float(np.median(times))
         return {"tok_s": 1.0 / med, "step_ms": med * 1e3, "steps": steps, "context": context}
 

@@ -297,19 +297,9 @@ class Session:
             GenerationError: ``S`` exceeds ``max_length`` or a row has no real token.
         """
         self._check_open()
-        ids = np.asarray(input_ids, dtype=np.int64)
-        if ids.ndim == 1:
-            ids = ids[None]
+        ids, mask = self._logits_inputs(input_ids, attention_mask)
         B, S = ids.shape
-        mask = np.ones_like(ids) if attention_mask is None else \
-            np.asarray(attention_mask, dtype=np.int64)
-        if S > self.max_length:
-            raise GenerationError(f"{S} tokens exceed max_length={self.max_length}",
-                                  "evaluate shorter windows or load with a larger max_length")
         lens = mask.sum(1)
-        if (lens == 0).any():
-            raise GenerationError("a row of attention_mask has no real token",
-                                  "drop empty rows")
         self._acquire()
         try:
             if not self.fused:
@@ -331,12 +321,55 @@ class Session:
         finally:
             self._lock.release()
 
+    def _logits_inputs(self, input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids int64 [B, S], mask int64 [B, S])`` checked for :meth:`logits`: integer
+        ids in ``[0, vocab)``, ``S <= max_length``, a 0/1 mask of the same shape, padded
+        on the left only, with a real token in every row.
+
+        Raises:
+            GenerationError: naming the problem and the fix.
+        """
+        ids = np.asarray(input_ids)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise GenerationError(f"input_ids must be integer token ids [batch, seq] (or [seq]), got "
+                                  f"{ids.dtype} {tuple(np.shape(input_ids))}",
+                                  "pass e.g. np.array([[1, 2, 3]])")
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise GenerationError(f"token id out of range [0, {self.vocab_size}): min {int(ids.min())}, "
+                                  f"max {int(ids.max())}", "pass ids of this model's tokenizer")
+        ids = ids.astype(np.int64)
+        if ids.shape[1] > self.max_length:
+            raise GenerationError(f"{ids.shape[1]} tokens exceed max_length={self.max_length}",
+                                  "evaluate shorter windows or load with a larger max_length")
+        if attention_mask is None:
+            return ids, np.ones_like(ids)
+        mask = np.asarray(attention_mask)
+        if mask.ndim == 1:
+            mask = mask[None]
+        if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
+            raise GenerationError(f"attention_mask must be 0/1 of the ids' shape {ids.shape}, got "
+                                  f"{mask.dtype} {tuple(mask.shape)}",
+                                  "pass 1 on real tokens and 0 on (left) padding")
+        mask = mask.astype(np.int64)
+        if (mask.sum(1) == 0).any():
+            raise GenerationError("a row of attention_mask has no real token", "drop empty rows")
+        if (np.diff(mask, axis=1) < 0).any():
+            raise GenerationError("attention_mask has padding after a real token (right or "
+                                  "inner padding)", "pad on the left, as for generation")
+        return ids, mask
+
     def _acquire(self) -> None:
         """Take the session lock: waits for another thread's call, raises when a
-        suspended ``stream()`` of this very thread holds it (waiting would never end)."""
+        suspended ``stream()`` of this very thread holds it (waiting would never end),
+        or when the session was closed meanwhile."""
         if not self._lock.acquire(blocking=self._stream_thread != threading.get_ident()):
             raise GenerationError("a stream() on this session is still open in this thread",
                                   "exhaust it or call its .close() first (or use a second session)")
+        if self._closed:
+            self._lock.release()
+            raise GenerationError("the session is closed", "load the folder again")
 
     def _run_fused(self, ids, seqlens_k, total, keep, cache: SharedKVCache) -> np.ndarray:
         bd = self.sess.io_binding()
@@ -655,7 +688,9 @@ class Session:
 
     # ---------------------------------------------------------------- close
     def close(self) -> None:
-        """Release the onnxruntime session and the KV buffers."""
+        """Release the onnxruntime session and the KV buffers. Calls after it (also a
+        stream opened before it, or a call waiting in another thread) raise
+        ``GenerationError``; a decode step already running finishes first."""
         self._caches.clear()
         self.sess = None
         self._closed = True

@@ -313,6 +313,15 @@ def test_runtime_generate_and_errors(tiny_llama, tmp_path):
     assert out.token_ids[0][:len(ref)] == ref[:len(out.token_ids[0])]
     with pytest.raises(GenerationError, match="equal length"):
         s.generate([ids[:5], ids[:7]], max_new_tokens=2)
+    # under an open stream of this thread: an error, not a deadlock (logits() and
+    # decode_speed() used to wait for the stream's lock forever)
+    it = s.stream(ids, max_new_tokens=4)
+    next(it)
+    for call in (lambda: s.logits(np.array([ids])), lambda: s.decode_speed(context=16, steps=1)):
+        with pytest.raises(GenerationError, match="still open"):
+            call()
+    it.close()
+    assert s.logits(np.array([ids])).shape == (1, len(ids), tiny_llama.config.vocab_size)
     bad = LeanKMask.full(3, 2, 16)
     with pytest.raises(ExportError, match="does not match"):
         exporters.export_onnx(tiny_llama, tiny_tokenizer(), tmp_path / "bad", leank=bad)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -128,6 +129,33 @@ def test_chat_messages_and_a_broken_template(folder, tmp_path):
         assert s.generate("hi", max_new_tokens=1, chat=False).token_ids
 
 
+def _error_of(fn, *a, **kw):
+    try:
+        fn(*a, **kw)
+    except Exception as e:          # noqa: BLE001 - the test inspects it
+        return e
+    return None
+
+
+@pytest.mark.parametrize("ids, mask, needle", [
+    ([[1, 2, 9999]], None, "out of range"),
+    ([[1, -1, 3]], None, "out of range"),          # used to wrap around to the last row
+    ([[1.0, 2.0]], None, "integer token ids"),
+    (np.ones((1, 2, 3), np.int64), None, "integer token ids"),
+    ([[1, 2, 3]], [[1, 1, 0]], "padding after a real token"),   # right padding: shifted output
+    ([[1, 2, 3]], [[0, 2, 1]], "0/1"),
+    ([[1, 2, 3]], [[1, 1]], "0/1 of the ids' shape"),
+    ([[1, 2, 3]], [[0, 0, 0]], "no real token"),
+])
+def test_logits_checks_its_inputs(folder, ids, mask, needle):
+    with runtime.load(folder) as s:
+        with pytest.raises(GenerationError, match=needle):
+            s.logits(np.asarray(ids), None if mask is None else np.asarray(mask))
+        # left padding still works and matches the unpadded row
+        np.testing.assert_allclose(s.logits(np.array([[7, 1, 2, 3]]), np.array([[0, 1, 1, 1]]))[0, 1:],
+                                   s.logits(np.array([[1, 2, 3]]))[0], atol=1e-5)
+
+
 def test_closed_session_and_load_arguments(folder, tmp_path):
     s = runtime.load(folder)
     it = s.stream("abc", max_new_tokens=10)
@@ -137,6 +165,22 @@ def test_closed_session_and_load_arguments(folder, tmp_path):
         next(it)
     with pytest.raises(GenerationError, match="closed"):
         s.logits(np.array([[1, 2, 3]]))
+    # a stream made before close() and first read after it; a call that was waiting for
+    # the lock in another thread (both used to hit the released onnxruntime session)
+    s = runtime.load(folder)
+    it = s.stream("abc", max_new_tokens=3)
+    s.close()
+    with pytest.raises(GenerationError, match="closed"):
+        next(it)
+    s = runtime.load(folder)
+    s._lock.acquire()
+    errs = []
+    t = threading.Thread(target=lambda: errs.append(_error_of(s.generate, "abc", max_new_tokens=2)))
+    t.start()
+    s.close()
+    s._lock.release()
+    t.join(30)
+    assert errs and isinstance(errs[0], GenerationError) and "closed" in str(errs[0])
     for kw in ({"max_length": 0}, {"max_length": -5}, {"threads": 0}, {"threads": 2.5},
                {"threads": True}):
         with pytest.raises(RuntimeLoadError, match="positive integer"):
