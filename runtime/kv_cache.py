@@ -102,6 +102,19 @@ class SharedKVCache:
     def nbytes(self) -> int:
         return sum(self.spec.bytes(self.max_length, self.batch).values())
 
+    def row(self, b: int) -> "SharedKVCache":
+        """Row ``b`` of these buffers as a batch-1 cache over the same memory (CPU only:
+        a row of a C-ordered ``[batch, ...]`` array is contiguous), for prefilling the
+        rows of a batch one at a time."""
+        if self.device != "cpu":
+            raise ValueError("row views need CPU buffers")
+        view = SharedKVCache.__new__(SharedKVCache)
+        view.spec, view.batch, view.max_length, view.device = self.spec, 1, self.max_length, "cpu"
+        view.arrays = [a[b:b + 1] for a in self.arrays]
+        view.values = [tuple(ort.OrtValue.ortvalue_from_numpy(a) for a in view.arrays[2 * i:2 * i + 2])
+                       for i in range(self.spec.num_layers)]
+        return view
+
     def bind(self, binding: ort.IOBinding) -> None:
         """Bind every layer's buffer as both past input and present output."""
         for i, (k, v) in enumerate(self.values):

@@ -621,10 +621,22 @@ class Session:
         ids = np.full((B, S), self.pad_token_id, np.int64)
         for b, p in enumerate(prompts):
             ids[b, :len(p)] = p
+        # rows are right-padded (GroupQueryAttention's prompt layout): the graph keeps the
+        # last `keep` positions so that every row's last real token is among them
         keep = int(S - lens.min() + 1)
-        out = self._run_fused(ids, (lens - 1).astype(np.int32), S, keep, cache)
-        idx = (lens - 1) - (S - keep)
-        logits = out[np.arange(B), idx]
+        kept_bytes = B * keep * self.vocab_size * 4
+        if B > 1 and kept_bytes > PREFILL_LOGITS_BYTES and self.in_place_io:
+            # rows of very different lengths: prefill each row alone into its row of the
+            # buffers (keeps one position per row, not B x keep x vocab floats)
+            logits = np.stack([self._run_fused(ids[b:b + 1, :int(lens[b])], np.array([lens[b] - 1], np.int32),
+                                               int(lens[b]), 1, cache.row(b))[0, -1] for b in range(B)])
+        else:
+            _check_memory(kept_bytes, f"the prefill logits ({B} row(s) x {keep} positions x "
+                          f"{self.vocab_size} vocab)", "generate prompts of similar length together, "
+                          "or fewer rows at once")
+            out = self._run_fused(ids, (lens - 1).astype(np.int32), S, keep, cache)
+            idx = (lens - 1) - (S - keep)
+            logits = out[np.arange(B), idx]
         # Decode-step state: preallocated inputs read in place by onnxruntime.
         st = {"cache": cache, "lens": lens.copy(), "tokens": [list(p) for p in prompts]}
         st["ids"] = np.zeros((B, 1), np.int64)
@@ -701,6 +713,11 @@ class Session:
     def __exit__(self, *exc):
         self.close()
 
+
+#: Above this many bytes of kept prefill logits (``B x (longest - shortest + 1) x vocab``
+#: floats) a CPU batch is prefilled one row at a time (one 600-token row beside three
+#: 1-token rows of SmolLM2 kept 461 MiB of logits).
+PREFILL_LOGITS_BYTES = 64 << 20
 
 #: KV buffers are sized in steps of this many tokens (reuse across calls of similar length).
 KV_CHUNK = 256

@@ -64,6 +64,24 @@ def test_kv_buffers_sized_per_call_and_reused(folder, monkeypatch):
         assert s._caches[1].arrays[0].shape[2] == 600          # may run past: whole context
 
 
+def test_unequal_rows_prefilled_one_by_one_give_the_same_tokens(folder, monkeypatch):
+    """A batch whose kept prefill logits (B x (longest - shortest + 1) x vocab) would pass
+    PREFILL_LOGITS_BYTES is prefilled a row at a time into the rows of the KV buffers:
+    same tokens as the batched prefill and as each prompt alone."""
+    prompts = [list(range(3, 60)), [5], [9, 10, 11]]
+    with runtime.load(folder) as s:
+        s.eos_token_ids = []
+        batched = s.generate(prompts, max_new_tokens=6).token_ids
+        alone = [s.generate(p, max_new_tokens=6).token_ids[0] for p in prompts]
+        calls = []
+        orig = s._run_fused
+        monkeypatch.setattr(s, "_run_fused", lambda *a: calls.append(a[0].shape) or orig(*a))
+        monkeypatch.setattr(rs, "PREFILL_LOGITS_BYTES", 0)
+        rowwise = s.generate(prompts, max_new_tokens=6).token_ids
+    assert rowwise == batched == alone
+    assert calls == [(1, 57), (1, 1), (1, 3)]
+
+
 def test_check_memory_names_the_size_and_the_fix():
     with pytest.raises(GenerationError, match=r"needs \d+ MiB, more than .* available.*fewer rows"):
         rs._check_memory(1 << 60, "the KV cache for 9 row(s) x 256 tokens", "generate fewer rows")
