@@ -410,7 +410,9 @@ def leank_cmd(model, k_keep, method, calib, nsamples, seqlen, sink, window, out_
               help="Context length in tokens (default and upper bound: the export's).")
 @click.option("--context-policy", type=click.Choice(["error", "sliding_window"]), default="error",
               show_default=True, help="What happens when the context is full.")
-@click.option("--stop", "stops", multiple=True, help="Stop string (repeatable).")
+@click.option("--stop", "stops", multiple=True,
+              help="Stop string (repeatable); the escapes \\n, \\t and \\\\ are understood, so "
+                   "--stop '\\n\\n' stops at a blank line.")
 def generate_cmd(folder, prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, chat,
                  threads, max_length, context_policy, stops):
     """Stream a completion of PROMPT from an exported FOLDER (runtime only, no torch)."""
@@ -420,9 +422,23 @@ def generate_cmd(folder, prompt, max_new_tokens, temperature, top_k, top_p, repe
                       context_policy=context_policy) as sess:
         for piece in sess.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                  top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, chat=chat,
-                                 stop=list(stops) or None):
+                                 stop=[_unescape(x) for x in stops] or None):
             click.echo(piece, nl=False)
     click.echo()
+
+
+def _unescape(text: str) -> str:
+    r"""``\n``, ``\t`` and ``\\`` typed on a command line (shells pass them as two
+    characters) as the characters they name; any other backslash is kept as it is."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "nt\\":
+            out.append({"n": "\n", "t": "\t", "\\": "\\"}[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
 
 
 @cli.command("profile")

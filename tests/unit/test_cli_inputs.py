@@ -314,3 +314,28 @@ def test_the_alias_file_is_protected_like_a_path():
         _check_out(gguf.parent, "fingerprint", True, "smollm2-135m")
     with pytest.raises(CheckpointError, match="holds the input model file"):
         check_out_dir(gguf.parent, [local_source("smollm2-135m")], True)
+
+
+def test_generate_stop_understands_typed_escapes(monkeypatch, capsys):
+    """`--stop '\\n\\n'` (a shell passes backslash + n) stops at a blank line, as the README
+    shows; other backslashes stay as typed."""
+    import runtime
+
+    seen = {}
+
+    class Fake:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def stream(self, prompt, **kw):
+            seen.update(kw)
+            yield "ok"
+
+    monkeypatch.setattr(runtime, "load", lambda *a, **kw: Fake())
+    code, out, err = run_cli(["generate", "somewhere", "hi", "--stop", "\\n\\n", "--stop", "a\\tb",
+                              "--stop", "C:\\x"], capsys)
+    assert code == 0, err
+    assert seen["stop"] == ["\n\n", "a\tb", "C:\\x"] and out.startswith("ok")
