@@ -69,6 +69,15 @@ class DeviceProfile:
         notes: derivation of the figures.
         measured: True when bandwidth/compute were measured here rather than read.
         path: the TOML file it was read from.
+        bandwidth_efficiency: the share of ``bandwidth_gbs`` a STREAM-style copy sustains
+            (TOML ``bandwidth_efficiency``; default :data:`DEFAULT_BANDWIDTH_EFFICIENCY`
+            for spec-sheet figures, 1 for measured ones). Projections compare like with
+            like: the host's figures are measured, so a target's theoretical peaks are
+            scaled down to what the same measurement would find there.
+        compute_efficiency: the same for the compute peaks (a GEMM through onnxruntime vs
+            the cores x clock x SIMD peak; default :data:`DEFAULT_COMPUTE_EFFICIENCY`).
+        kernel_launch_us: per-operator dispatch floor in microseconds (GPU profiles, TOML
+            ``kernel_launch_us``): a decode step takes at least ``nodes x`` this.
     """
 
     name: str
@@ -85,6 +94,9 @@ class DeviceProfile:
     measured: bool = False
     path: str | None = None
     raw: dict = dataclasses.field(default_factory=dict, repr=False)
+    bandwidth_efficiency: float = 1.0
+    compute_efficiency: float = 1.0
+    kernel_launch_us: float = 0.0
 
     @property
     def is_host(self) -> bool:
@@ -99,11 +111,26 @@ class DeviceProfile:
             return self.peak_fp32_gflops * 1e9
         raise DeviceError(f"unknown compute type {compute!r}", "use 'fp32' or 'int8'")
 
+    def sustained(self) -> "DeviceProfile":
+        """This profile with its bandwidth and compute scaled to what a measurement would
+        sustain (``bandwidth_efficiency``, ``compute_efficiency``; measured profiles are
+        returned as they are)."""
+        if self.measured or (self.bandwidth_efficiency == 1.0 and self.compute_efficiency == 1.0):
+            return self
+        return dataclasses.replace(
+            self, bandwidth_gbs=self.bandwidth_gbs * self.bandwidth_efficiency,
+            peak_int8_gops=self.peak_int8_gops * self.compute_efficiency,
+            peak_fp32_gflops=self.peak_fp32_gflops * self.compute_efficiency,
+            bandwidth_efficiency=1.0, compute_efficiency=1.0)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (without the raw TOML)."""
         d = dataclasses.asdict(self)
         d.pop("raw")
         d["memory_budget_mb"] = round(self.memory_budget_bytes / MiB, 1)
+        for k in ("bandwidth_gbs", "peak_int8_gops", "peak_fp32_gflops"):
+            if self.raw.get(k) == "measure" and not self.measured:
+                d[k] = None           # to be measured at profile time, not a figure of 0
         return d
 
 
@@ -148,6 +175,16 @@ def load_profile(name_or_path: str | os.PathLike | DeviceProfile, measure: bool 
     return _from_dict(raw, path, measure)
 
 
+#: Share of a spec-sheet DRAM bandwidth a STREAM-style copy sustains when a profile does
+#: not say (``bandwidth_efficiency``): STREAM typically reaches 60-80 % of the
+#: theoretical peak on desktop and server parts and less on phones (McCalpin, STREAM
+#: results, cs.virginia.edu/stream); 0.6 is the low end. This host: 12-19 GB/s copy.
+DEFAULT_BANDWIDTH_EFFICIENCY = 0.6
+#: Share of a cores x clock x SIMD compute peak that an onnxruntime GEMM sustains when a
+#: profile does not say (``compute_efficiency``): an assumption, stated as one.
+DEFAULT_COMPUTE_EFFICIENCY = 0.5
+
+
 def _from_dict(raw: dict, path: Path, measure: bool) -> DeviceProfile:
     required = ("name", "class", "execution_provider", "threads", "memory_budget_mb", "bandwidth_gbs",
                 "peak_int8_gops", "peak_fp32_gflops", "source")
@@ -161,11 +198,29 @@ def _from_dict(raw: dict, path: Path, measure: bool) -> DeviceProfile:
     if raw["execution_provider"] not in _PROVIDERS:
         raise DeviceError(f"device profile {path}: unknown execution_provider {raw['execution_provider']!r}",
                           f"use one of {', '.join(_PROVIDERS)}")
-    wants = [k for k in ("threads", "memory_budget_mb", "bandwidth_gbs", "peak_int8_gops", "peak_fp32_gflops")
-             if isinstance(raw[k], str)]
-    for k in wants:
-        if raw[k] not in ("measure", "auto"):
-            raise DeviceError(f"device profile {path}: {k} = {raw[k]!r}", "give a number, or \"measure\"/\"auto\"")
+    words = {"threads": ("auto",), "memory_budget_mb": ("auto",), "bandwidth_gbs": ("measure",),
+             "peak_int8_gops": ("measure",), "peak_fp32_gflops": ("measure",)}
+    for k, allowed in words.items():
+        v = raw[k]
+        if isinstance(v, str) and v in allowed:
+            continue
+        whole = k == "threads"
+        if isinstance(v, bool) or not isinstance(v, int if whole else (int, float)) or \
+                (whole and v < 1) or (not whole and not v > 0):
+            raise DeviceError(f"device profile {path}: {k} = {v!r} is not "
+                              + ("a whole number >= 1" if whole else "a positive number"),
+                              f"give {'a whole number' if whole else 'a number'} or "
+                              + " / ".join(f'"{w}"' for w in allowed))
+    wants = [k for k in words if isinstance(raw[k], str)]
+    extra = {}
+    for k, lo, hi in (("bandwidth_efficiency", 0.0, 1.0), ("compute_efficiency", 0.0, 1.0),
+                      ("kernel_launch_us", 0.0, 1e6)):
+        if k in raw:
+            v = raw[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo < v <= hi or (k == "kernel_launch_us" and v == 0)):
+                raise DeviceError(f"device profile {path}: {k} = {v!r} is out of range ({lo}, {hi}]",
+                                  "fix the figure")
+            extra[k] = float(v)
     host: dict[str, float] = {}
     threads = raw["threads"]
     if threads == "auto":
@@ -188,10 +243,13 @@ def _from_dict(raw: dict, path: Path, measure: bool) -> DeviceProfile:
     if int(threads) < 1 or budget_bytes <= 0:
         raise DeviceError(f"device profile {path}: threads and memory_budget_mb must be positive",
                           "fix the figures")
+    if cls != "host":      # spec-sheet peaks: what a measurement would sustain
+        extra.setdefault("bandwidth_efficiency", DEFAULT_BANDWIDTH_EFFICIENCY)
+        extra.setdefault("compute_efficiency", DEFAULT_COMPUTE_EFFICIENCY)
     return DeviceProfile(name=str(raw["name"]), device_class=cls, execution_provider=raw["execution_provider"],
                          threads=int(threads), memory_budget_bytes=budget_bytes, source=str(raw["source"]),
                          description=str(raw.get("description", "")), notes=str(raw.get("notes", "")),
-                         measured=bool(host), path=str(path), raw=raw, **values)
+                         measured=bool(host), path=str(path), raw=raw, **values, **extra)
 
 
 # -- host measurement ----------------------------------------------------------------------------
@@ -360,7 +418,9 @@ def project(measured: float, host_profile: DeviceProfile, target_profile: Device
 
     Returns:
         :class:`Projection`: ``t = roofline_target * measured / roofline_host``
-        (the host's efficiency relative to its roofline carried over to the target).
+        (the host's efficiency relative to its roofline carried over to the target; the
+        target's spec-sheet peaks first scaled by its ``bandwidth_efficiency`` /
+        ``compute_efficiency``, since the host's roofline uses measured figures).
 
     Raises:
         DeviceError: non-positive measured time or inputs; a profile without figures.
@@ -369,7 +429,8 @@ def project(measured: float, host_profile: DeviceProfile, target_profile: Device
         raise DeviceError(f"cannot project from measured={measured!r}, bytes={model_bytes_per_token!r}, "
                           f"ops={flops_per_token!r}", "pass a positive measured time and non-negative work")
     host_t, _ = roofline_seconds(host_profile, model_bytes_per_token, flops_per_token, compute)
-    tgt_t, bound = roofline_seconds(target_profile, model_bytes_per_token, flops_per_token, compute)
+    tgt_t, bound = roofline_seconds(target_profile.sustained(), model_bytes_per_token, flops_per_token,
+                                    compute)
     eff = host_t / measured
     t = tgt_t / eff if eff > 0 else float("inf")
     return Projection(target=target_profile.name, seconds_per_token=t, tokens_per_s=1.0 / t, bound=bound,

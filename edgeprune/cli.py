@@ -456,6 +456,11 @@ def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets
     """Measure latency and memory of an exported FOLDER under a device profile."""
     from runtime.profiler import profile
 
+    # outputs checked before minutes of measuring, not after
+    if out_dir and Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ConfigError(f"--out {out_dir} is a file, not a folder", "pass a folder for the plot and profile.md")
+    if json_path and Path(json_path).is_dir():
+        raise ConfigError(f"--json {json_path} is a folder", "pass a file path, e.g. --json profile.json")
     rep = profile(folder, device_name, prompt_len=prompt_len, gen_len=gen_len, repeat=repeat,
                   sweep=True if sweep else None, targets=list(targets) or None, out_dir=out_dir)
     md = rep.to_markdown()

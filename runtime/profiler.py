@@ -66,9 +66,9 @@ def model_work(folder: Union[str, Path]) -> dict[str, Any]:
 
     Returns:
         ``{"weight_bytes_per_token", "weight_ops_per_token", "embedding_bytes",
-        "file_bytes", "attn_ops_per_position", "compute"}``; ``compute`` is ``"int8"``
-        when the linears run MatMulNBits at accuracy level 4 (int8 activations),
-        else ``"fp32"``.
+        "file_bytes", "attn_ops_per_position", "compute", "graph_nodes"}``; ``compute``
+        is ``"int8"`` when the linears run MatMulNBits at accuracy level 4 (int8
+        activations), else ``"fp32"``; ``graph_nodes``: operators one run executes.
 
     Raises:
         RuntimeLoadError: no readable ``model.onnx``.
@@ -161,7 +161,7 @@ def model_work(folder: Union[str, Path]) -> dict[str, Any]:
     return {"weight_bytes_per_token": int(weight_bytes), "weight_ops_per_token": int(ops),
             "embedding_bytes": int(embed), "file_bytes": int(file_bytes),
             "attn_ops_per_position": int(4 * heads * hd * layers),
-            "compute": "int8" if int8 else "fp32"}
+            "compute": "int8" if int8 else "fp32", "graph_nodes": len(g.node)}
 
 
 def gpu_availability() -> tuple[bool, str]:
@@ -298,7 +298,12 @@ class ProfileReport:
                         f"t = max(bytes/bandwidth, ops/peak) on the target x (host measured / host roofline); "
                         f"host {h.get('bandwidth_gbs', 0):.1f} GB/s, {h.get('peak_fp32_gflops', 0):.0f} GFLOP/s fp32, "
                         f"{h.get('peak_int8_gops', 0):.0f} GOP/s int8; {self.work.get('weight_bytes_per_token', 0) / MiB:.1f} MiB "
-                        f"and {self.work.get('weight_ops_per_token', 0) / 1e9:.3f} GOP of weights per token ({self.work.get('compute')})."]
+                        f"and {self.work.get('weight_ops_per_token', 0) / 1e9:.3f} GOP of weights per token ({self.work.get('compute')}). "
+                        "The targets' spec-sheet peaks are first scaled to what a measurement would sustain "
+                        "(profile fields bandwidth_efficiency / compute_efficiency, defaults 0.6 / 0.5), as the "
+                        "host's figures are measured; GPU targets are floored at graph nodes x kernel_launch_us "
+                        "per run (bound \"launch\"). Projected memory: CPU targets carry the host's measured "
+                        "peak RSS; GPU targets count device memory as weights + KV cache."]
         for n in self.notes:
             out.append(f"- {n}")
         return "\n".join(out) + "\n"
@@ -659,8 +664,13 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
     if device == "cpu":
         for tgt in tgts:
             if tgt.is_host:
+                if targets is not None:
+                    notes.append(f"{tgt.name} is this machine: its figures are the measured column, not a projection.")
                 continue
             projected[tgt.name] = _project_one(measured, sweep_rows, work, host, tgt, prompt_len, gen_len)
+    elif targets is not None:
+        notes.append("Ran on the GPU: no projected columns (the roofline scaling is calibrated on the host CPU); "
+                     "profile on cpu-host to project to " + ", ".join(t.name for t in tgts) + ".")
     report = ProfileReport(folder=str(folder), profile=prof.to_dict(), ran_on=ran_on,
                            settings={"prompt_len": int(prompt_len), "gen_len": int(gen_len), "repeat": int(repeat),
                                      "threads": threads, "device": device, "isolated": bool(isolate),
@@ -675,6 +685,12 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
 
 
 def _project_one(measured: dict, sweep_rows: list, work: dict, host, tgt, prompt_len: int, gen_len: int) -> dict:
+    """One target's projected column. Decode and prefill times are the roofline scaling of
+    :func:`devices.project`, floored on GPU targets at ``graph_nodes x kernel_launch_us``
+    per run (a small model's decode is launch-bound there, far from the roofline). TTFT
+    is the projected prefill of the prompt (as measured: the first token comes from the
+    prefill's logits). Memory: CPU targets carry the host's measured peak RSS (same
+    runtime, same files); GPU targets count device memory as weights + KV cache."""
     import devices
 
     comp = work["compute"]
@@ -682,24 +698,31 @@ def _project_one(measured: dict, sweep_rows: list, work: dict, host, tgt, prompt
     kv = measured["kv_bytes"]
     kv_per_pos = (kv["k"] + kv["v"]) / max(1, measured["final_length"])
     mean_ctx = prompt_len + gen_len / 2
-    step_s = measured["decode_step_ms"]["median"] / 1000.0
-    p90_s = measured["decode_step_ms"]["p90"] / 1000.0
-    dec = devices.project(step_s, host, tgt, wb + kv_per_pos * mean_ctx, wo + attn * mean_ctx, comp)
-    dec90 = devices.project(p90_s, host, tgt, wb + kv_per_pos * mean_ctx, wo + attn * mean_ctx, comp)
-    pre_s = 1.0 / measured["prefill_tok_s"]["median"]
-    pre = devices.project(pre_s, host, tgt, wb / prompt_len + kv_per_pos, wo + attn * prompt_len / 2, comp)
-    peak = measured["peak_rss_bytes"]
-    out = {"decode_tok_s": dec.tokens_per_s, "decode_tok_s_p90": dec90.tokens_per_s,
-           "decode_step_ms": dec.seconds_per_token * 1000.0, "prefill_tok_s": pre.tokens_per_s,
-           "ttft_ms": (prompt_len * pre.seconds_per_token + dec.seconds_per_token) * 1000.0,
-           "bound": dec.bound, "prefill_bound": pre.bound, "host_efficiency_decode": dec.host_efficiency,
-           "host_efficiency_prefill": pre.host_efficiency, "peak_memory_bytes": peak,
+    launch_s = float(getattr(tgt, "kernel_launch_us", 0.0)) * 1e-6 * int(work.get("graph_nodes") or 0)
+
+    def step(measured_s, bytes_, ops, per_run=1):
+        p = devices.project(measured_s, host, tgt, bytes_, ops, comp)
+        t = max(p.seconds_per_token, launch_s / per_run)
+        return t, ("launch" if t > p.seconds_per_token else p.bound), p.host_efficiency
+
+    dec_t, dec_bound, dec_eff = step(measured["decode_step_ms"]["median"] / 1000.0, wb + kv_per_pos * mean_ctx,
+                                     wo + attn * mean_ctx)
+    dec90_t, _, _ = step(measured["decode_step_ms"]["p90"] / 1000.0, wb + kv_per_pos * mean_ctx, wo + attn * mean_ctx)
+    pre_t, pre_bound, pre_eff = step(1.0 / measured["prefill_tok_s"]["median"], wb / prompt_len + kv_per_pos,
+                                     wo + attn * prompt_len / 2, per_run=prompt_len)
+    gpu = tgt.device_class == "gpu"
+    peak = int(measured["weights_bytes"] + kv["k"] + kv["v"]) if gpu else measured["peak_rss_bytes"]
+    out = {"decode_tok_s": 1.0 / dec_t, "decode_tok_s_p90": 1.0 / dec90_t,
+           "decode_step_ms": dec_t * 1000.0, "prefill_tok_s": 1.0 / pre_t,
+           "ttft_ms": prompt_len * pre_t * 1000.0,
+           "bound": dec_bound, "prefill_bound": pre_bound, "host_efficiency_decode": dec_eff,
+           "host_efficiency_prefill": pre_eff, "peak_memory_bytes": peak,
+           "peak_memory_kind": "device memory: weights + KV cache" if gpu else "peak RSS as measured on the host",
            "memory_budget_bytes": tgt.memory_budget_bytes, "fits_budget": bool(peak <= tgt.memory_budget_bytes),
            "kind": "projected (roofline)"}
     if sweep_rows:
-        out["sweep_step_ms"] = [devices.project(s["decode_step_ms"] / 1000.0, host, tgt,
-                                                wb + kv_per_pos * s["context"], wo + attn * s["context"], comp
-                                                ).seconds_per_token * 1000.0 for s in sweep_rows]
+        out["sweep_step_ms"] = [step(s["decode_step_ms"] / 1000.0, wb + kv_per_pos * s["context"],
+                                     wo + attn * s["context"])[0] * 1000.0 for s in sweep_rows]
     return out
 
 

@@ -339,3 +339,12 @@ def test_generate_stop_understands_typed_escapes(monkeypatch, capsys):
                               "--stop", "C:\\x"], capsys)
     assert code == 0, err
     assert seen["stop"] == ["\n\n", "a\tb", "C:\\x"] and out.startswith("ok")
+
+
+def test_profile_outputs_checked_before_measuring(tmp_path, capsys):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    code, _, err = run_cli(["profile", tmp_path / "nowhere", "--out", f], capsys)
+    one_line_error(code, err, "--out", "is a file")
+    code, _, err = run_cli(["profile", tmp_path / "nowhere", "--json", tmp_path], capsys)
+    one_line_error(code, err, "--json", "is a folder")

@@ -54,8 +54,20 @@ def test_profile_from_path_and_validation(tmp_path):
     with pytest.raises(DeviceError, match="lacks bandwidth_gbs"):
         load_profile(p)
     p.write_text(src.replace("bandwidth_gbs = 17.1", "bandwidth_gbs = 0"))
-    with pytest.raises(DeviceError, match="must be > 0"):
+    with pytest.raises(DeviceError, match="bandwidth_gbs = 0 is not a positive number"):
         load_profile(p)
+    # values that used to pass and then crash (\"measure\" threads or budget) or be
+    # silently truncated (2.7 threads -> 2, true -> 1)
+    for old, new, needle in (("threads = 4", 'threads = "measure"', "threads = 'measure'"),
+                             ("threads = 4", "threads = 2.7", "whole number"),
+                             ("threads = 4", "threads = true", "whole number"),
+                             ("memory_budget_mb = 6144", 'memory_budget_mb = "measure"', "memory_budget_mb"),
+                             ("bandwidth_gbs = 17.1", 'bandwidth_gbs = "fast"', "bandwidth_gbs"),
+                             ("threads = 4", "threads = 4\nbandwidth_efficiency = 1.5", "bandwidth_efficiency"),
+                             ("threads = 4", "threads = 4\ncompute_efficiency = 0", "compute_efficiency")):
+        p.write_text(src.replace(old, new))
+        with pytest.raises(DeviceError, match=needle):
+            load_profile(p)
     p.write_text("name = [unclosed")
     with pytest.raises(DeviceError, match="cannot read"):
         load_profile(p)
@@ -80,6 +92,22 @@ def test_roofline_exact_values():
         roofline_seconds(p, 1, 1, compute="fp8")
     with pytest.raises(DeviceError, match="no bandwidth"):
         roofline_seconds(_prof("h", bw=0.0, fp32=1.0), 1, 1)
+
+
+def test_projection_scales_spec_sheet_peaks_to_sustained():
+    """A host's figures are measured (a copy, a GEMM); a target's are spec-sheet peaks:
+    the projection scales them by the target's bandwidth/compute efficiency first."""
+    import dataclasses
+    host, target = _prof("host", bw=10.0, fp32=100.0), _prof("tgt", bw=40.0, fp32=100.0)
+    half = dataclasses.replace(target, bandwidth_efficiency=0.5, compute_efficiency=0.25)
+    assert project(0.2, host, half, 1e9, 1e9).seconds_per_token == pytest.approx(0.1)   # 2 x 0.05
+    assert half.sustained().bandwidth_gbs == 20.0 and half.sustained().peak_fp32_gflops == 25.0
+    pi = load_profile("raspberry-pi-5")
+    assert (pi.bandwidth_efficiency, pi.compute_efficiency) == (devices.DEFAULT_BANDWIDTH_EFFICIENCY,
+                                                                devices.DEFAULT_COMPUTE_EFFICIENCY)
+    assert load_profile("cpu-host", measure=False).bandwidth_efficiency == 1.0
+    assert load_profile("nvidia-h200").kernel_launch_us > 0
+    assert load_profile("cpu-host", measure=False).to_dict()["bandwidth_gbs"] is None
 
 
 def test_projection_carries_host_efficiency():

@@ -46,6 +46,9 @@ def test_profile_measures_and_projects(tiny_folder, tmp_path):
     assert r.settings["threads"] == min(4, __import__("os").cpu_count())
     p = r.projected["raspberry-pi-5"]
     assert p["kind"].startswith("projected") and p["decode_tok_s"] > 0 and p["fits_budget"]
+    # TTFT is the prefill (as measured: the first token comes from the prefill's logits)
+    assert p["ttft_ms"] == pytest.approx(24 * 1000.0 / p["prefill_tok_s"])
+    assert p["peak_memory_bytes"] == m["peak_rss_bytes"] and "host" in p["peak_memory_kind"]
     assert [s["context"] for s in r.sweep] == [32, 64]
     assert r.sweep[1]["kv_bytes"] == (64 + 16) * 2 * 2 * 2 * 16 * 4
     png = tmp_path / "sweep-tiny-raspberry-pi-5.png"
@@ -62,6 +65,17 @@ def test_host_profile_projects_to_every_target(tiny_folder):
     names = {p.name for p in devices.list_profiles() if not p.is_host}
     assert set(r.projected) == names
     assert r.host["bandwidth_gbs"] > 0
+    # a GPU target: floored at graph nodes x kernel launch time (a tiny model's decode is
+    # launch-bound, not 100,000s of tokens/s); its memory is weights + KV on the device
+    h200, nodes = r.projected["nvidia-h200"], r.work["graph_nodes"]
+    assert nodes > 10 and h200["bound"] == "launch"
+    assert h200["decode_step_ms"] == pytest.approx(nodes * devices.load_profile("nvidia-h200").kernel_launch_us / 1000)
+    kv = r.measured["kv_bytes"]
+    assert h200["peak_memory_bytes"] == r.measured["weights_bytes"] + kv["k"] + kv["v"]
+    # asking for the host as a target says why it has no projected column
+    r = profile(tiny_folder, "cpu-host", prompt_len=8, gen_len=8, repeat=1, isolate=False,
+                targets=["cpu-host", "raspberry-pi-5"])
+    assert set(r.projected) == {"raspberry-pi-5"} and any("cpu-host is this machine" in n for n in r.notes)
 
 
 def test_memory_budget_is_enforced(tiny_folder, tmp_path):
