@@ -136,3 +136,15 @@ def test_greedy_fast_path_matches_and_still_rejects_bad_logits():
     y[0, :] = -np.inf
     with pytest.raises(GenerationError, match="-inf"):
         s(y, [[], [], []])
+
+
+def test_tiny_temperature_tends_to_greedy_not_nan():
+    """temperature=5e-324 used to overflow logits / T to inf, then inf - inf = NaN
+    probabilities: token 0 every step. Shifting by the max first keeps it finite."""
+    x = np.array([[1.0, 3.0, 2.0, -5.0], [0.5, -1.0, 0.25, 0.0]], np.float32)
+    for t in (5e-324, 1e-300, 1e-8):
+        s = Sampler(temperature=t, seed=0)
+        p = s._filtered_probs(x)
+        assert np.isfinite(p).all()
+        np.testing.assert_array_equal(p.argmax(1), [1, 0])
+        assert s(x, [[], []]).tolist() == [1, 0]
