@@ -109,7 +109,9 @@ class Session:
         context_policy: ``"error"`` | ``"sliding_window"`` (see module docstring).
 
     Raises:
-        RuntimeLoadError: missing files, corrupt ``model.onnx`` / metadata, unknown device.
+        RuntimeLoadError: missing files, corrupt ``model.onnx`` / metadata, unknown device,
+            ``threads`` / ``max_length`` not positive integers.
+        GenerationError: ``max_length`` above the export's, unknown ``context_policy``.
     """
 
     def __init__(self, folder, device: str = "cpu", threads: Optional[int] = None,
@@ -131,6 +133,7 @@ class Session:
             self.meta = json.loads((self.folder / "edgeprune.json").read_text())
             if not isinstance(self.meta, dict):
                 raise ValueError(f"a JSON object expected, found {type(self.meta).__name__}")
+            _check_meta(self.meta)
         except (OSError, ValueError) as e:
             raise RuntimeLoadError(f"cannot read {self.folder / 'edgeprune.json'}: {e}",
                                    "re-run `edgeprune export`; the metadata is corrupt") from e
@@ -712,6 +715,28 @@ class Session:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _check_meta(meta: dict) -> None:
+    """Types of the ``edgeprune.json`` fields the runtime reads (a hand-edited or damaged
+    file gives one clear error here, not a TypeError deep in a later call).
+
+    Raises:
+        ValueError: naming the field.
+    """
+    def whole(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for k in ("max_length", "vocab_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "hidden_size"):
+        if k in meta and meta[k] is not None and not (whole(meta[k]) and meta[k] >= 1):
+            raise ValueError(f"field {k!r} = {meta[k]!r} is not a positive integer")
+    eos = meta.get("eos_token_id")
+    if eos is not None and not (whole(eos) or (isinstance(eos, list) and all(whole(e) for e in eos))):
+        raise ValueError(f"field 'eos_token_id' = {eos!r} is not a token id or a list of them")
+    for k in ("quantization", "sparsity", "rope", "leank", "countdown", "kv_layout"):
+        if meta.get(k) is not None and not isinstance(meta[k], dict):
+            raise ValueError(f"field {k!r} = {meta[k]!r} is not an object")
 
 
 #: Above this many bytes of kept prefill logits (``B x (longest - shortest + 1) x vocab``

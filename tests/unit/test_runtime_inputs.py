@@ -40,7 +40,8 @@ def test_kv_buffers_sized_per_call_and_reused(folder, monkeypatch):
     monkeypatch.setattr(rs, "FULL_KV_BYTES", 0)       # as if the whole context were large
     asked = []
     real = rs._check_memory
-    monkeypatch.setattr(rs, "_check_memory", lambda n, what, fix: asked.append(n) or real(n, what, fix))
+    monkeypatch.setattr(rs, "_check_memory",
+                        lambda n, what, fix: ("KV cache" in what and asked.append(n)) or real(n, what, fix))
     with runtime.load(folder) as s:
         s.eos_token_ids = []
         s.generate([5, 6, 7], max_new_tokens=4)
@@ -208,6 +209,14 @@ def test_closed_session_and_load_arguments(folder, tmp_path):
     (bad / "edgeprune.json").write_text("[]")
     with pytest.raises(RuntimeLoadError, match="JSON object"):
         runtime.load(bad)
+    # hand-edited fields: one clear error at load (they were a ValueError / TypeError /
+    # AttributeError at some later call, or max_length 0 silently became 2048)
+    good = json.loads((folder / "edgeprune.json").read_text())
+    for field, value in (("max_length", "abc"), ("max_length", 0), ("vocab_size", "x"),
+                         ("eos_token_id", "2"), ("quantization", [1])):
+        (bad / "edgeprune.json").write_text(json.dumps(dict(good, **{field: value})))
+        with pytest.raises(RuntimeLoadError, match=field):
+            runtime.load(bad)
 
 
 def test_truncated_weight_file_is_named(tmp_path):
