@@ -492,6 +492,22 @@ def devices_cmd(json_path):
     _write_json(json_path, [p.to_dict() for p in profs])
 
 
+#: Python keyword arguments that library errors suggest, and the CLI flags that set them.
+_CLI_FLAGS = {"threads": "--threads", "max_new_tokens": "--max-new-tokens", "max_length": "--max-length",
+              "top_k": "--top-k", "top_p": "--top-p", "temperature": "--temperature",
+              "repetition_penalty": "--repetition-penalty", "context_policy": "--context-policy",
+              "prompt_len": "--prompt-len", "gen_len": "--gen-len", "repeat": "--repeat"}
+
+
+def _as_cli_hint(message: str) -> str:
+    """An error's fix as the command line spells it: ``pass e.g. threads=2`` (the Python
+    API's words) becomes ``pass e.g. --threads 2``."""
+    import re
+
+    return re.sub(r"\b(" + "|".join(_CLI_FLAGS) + r")=(?!=)'?([\w.\-]+)'?",
+                  lambda m: f"{_CLI_FLAGS[m.group(1)]} {m.group(2)}", message)
+
+
 def main(argv=None) -> int:
     """Console entry point: runs the click group, turning edgeprune errors into one line.
 
@@ -516,7 +532,7 @@ def main(argv=None) -> int:
         cli.main(args=argv, prog_name="edgeprune", standalone_mode=False)
         return 0
     except EdgePruneError as exc:
-        click.echo(f"error: {exc}", err=True)
+        click.echo(f"error: {_as_cli_hint(str(exc))}", err=True)
         return exc.exit_code
     except click.exceptions.Abort:
         click.echo("aborted", err=True)

@@ -145,7 +145,7 @@ def test_checkpoint_records_the_method_name(model_dir, tmp_path, capsys):
 @pytest.mark.parametrize("argv, needle", [
     (["--precision", "int4", "--group-size", "48"], "power of two"),
     (["--precision", "int4", "--accuracy-level", "7"], "accuracy_level=7"),
-    (["--max-length", "0"], "max_length=0"),
+    (["--max-length", "0"], "--max-length 0"),
     (["--precision", "int4", "--accuracy-level-for", "dwn_proj=0"], "matches no MatMulNBits"),
     (["--leank-mask", "mask.json", "--act-sparsity", "0.5"], "--leank-mask and --act-sparsity"),
     (["--leank-mask", "mask.json", "--k-keep", "0.25"], "--leank-mask and --k-keep"),
@@ -348,3 +348,10 @@ def test_profile_outputs_checked_before_measuring(tmp_path, capsys):
     one_line_error(code, err, "--out", "is a file")
     code, _, err = run_cli(["profile", tmp_path / "nowhere", "--json", tmp_path], capsys)
     one_line_error(code, err, "--json", "is a folder")
+
+
+def test_cli_errors_name_flags_not_python_arguments(tmp_path, capsys):
+    """The runtime's fix 'pass e.g. threads=2' reads '--threads 2' on the command line."""
+    code, _, err = run_cli(["generate", tmp_path, "hi", "--threads", "0"], capsys)
+    one_line_error(code, err, "--threads 2")
+    assert "threads=" not in err
