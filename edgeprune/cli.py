@@ -450,9 +450,11 @@ def _unescape(text: str) -> str:
 @click.option("--repeat", type=int, default=5, show_default=True)
 @click.option("--sweep", is_flag=True, help="Also sweep context lengths and draw a PNG.")
 @click.option("--target", "targets", multiple=True, help="Profiles to project to (repeatable).")
-@click.option("--out", "out_dir", default=None, help="Folder for the plot and Markdown report.")
+@click.option("--out", "out_dir", default=None,
+              help="Folder for the plot and profile.md (default: the plot goes to ./runs/profile-NAME/).")
+@click.option("--threads", type=int, default=None, help="Threads to run with instead of the profile's.")
 @click.option("--json", "json_path", default=None)
-def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets, out_dir, json_path):
+def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets, out_dir, threads, json_path):
     """Measure latency and memory of an exported FOLDER under a device profile."""
     from runtime.profiler import profile
 
@@ -462,7 +464,8 @@ def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets
     if json_path and Path(json_path).is_dir():
         raise ConfigError(f"--json {json_path} is a folder", "pass a file path, e.g. --json profile.json")
     rep = profile(folder, device_name, prompt_len=prompt_len, gen_len=gen_len, repeat=repeat,
-                  sweep=True if sweep else None, targets=list(targets) or None, out_dir=out_dir)
+                  sweep=True if sweep else None, targets=list(targets) or None, out_dir=out_dir,
+                  threads=threads)
     md = rep.to_markdown()
     click.echo(md)          # Markdown as is: no terminal-width wrapping, no rich markup
     if out_dir:

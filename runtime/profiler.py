@@ -274,7 +274,7 @@ class ProfileReport:
         lines += ["| " + " | ".join(r) + " |" for r in rows]
         out = [f"### Profile of `{self.folder}` on `{self.profile['name']}`", "",
                f"prompt {self.settings['prompt_len']} tokens, {self.settings['gen_len']} new tokens, "
-               f"{self.settings['repeat']} runs, batch 1.", ""] + lines
+               f"{self.settings['repeat']} run{'s' if self.settings['repeat'] != 1 else ''}, batch 1.", ""] + lines
         if self.gpu is not None:
             why = str(self.gpu["reason"])
             if why.lower().startswith("not available"):
@@ -552,7 +552,7 @@ def _worker_main(argv: list[str]) -> int:
 def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", prompt_len: int = 128,
             gen_len: int = 128, repeat: int = 5, sweep: Union[None, bool, Sequence[int]] = None,
             targets: Optional[Sequence[str]] = None, out_dir: Union[str, Path, None] = None,
-            isolate: bool = True, timeout: float = 1800.0) -> ProfileReport:
+            isolate: bool = True, timeout: float = 1800.0, threads: Optional[int] = None) -> ProfileReport:
     """Measure ``folder`` on this host under a device profile and project to targets.
 
     Args:
@@ -575,6 +575,7 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
             budget is checked between runs, raising ``DeviceError``, where the isolated
             worker is stopped the moment it goes over).
         timeout: seconds before the worker is abandoned.
+        threads: run with this many threads instead of the profile's (noted in the report).
 
     Returns:
         :class:`ProfileReport`.
@@ -613,7 +614,12 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
     cores = os.cpu_count() or 1
     gpu = None
     device = "cpu"
-    threads = int(prof.threads)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, (int, np.integer))
+                                or threads < 1):
+        raise GenerationError(f"threads must be a positive integer, got {threads!r}", "pass e.g. threads=2")
+    if threads is not None and int(threads) != int(prof.threads):
+        notes.append(f"threads set to {int(threads)} (the profile {prof.name} says {prof.threads}).")
+    threads = int(prof.threads if threads is None else threads)
     if prof.execution_provider == "CUDAExecutionProvider":
         ok, reason = gpu_availability()
         gpu = {"available": ok, "reason": reason}

@@ -111,3 +111,11 @@ def test_bad_inputs(tiny_folder, tmp_path):
         profile(tiny_folder, "cpu-host", prompt_len=500, gen_len=100)
     with pytest.raises(GenerationError, match="repeat"):
         profile(tiny_folder, "cpu-host", repeat=0)
+
+
+def test_threads_override(tiny_folder):
+    r = profile(tiny_folder, "raspberry-pi-5", prompt_len=8, gen_len=4, repeat=1, isolate=False, threads=1)
+    assert r.settings["threads"] == 1 and any("threads set to 1" in n for n in r.notes)
+    assert "1 run, batch 1" in r.to_markdown()
+    with pytest.raises(GenerationError, match="threads"):
+        profile(tiny_folder, "raspberry-pi-5", threads=0)
