@@ -18,8 +18,13 @@ Variants (``--variants``, comma separated; ``@s`` is appended per sparsity):
 * ``m-chan``: ``|up_j| * f_j > tau`` with ``f_j = E|act(gate_j)| * ||W_down[:, j]||``.
 * ``m-chan-rms``: same with ``f_j = sqrt(E act(gate_j)^2) * ||W_down[:, j]||``.
 
+No peer runs these variants: records (``--json PATH``) carry ``peer``/``theirs`` null,
+one per variant and metric (``ppl``, ``ppl_increase_pct``, ``kl_nats``,
+``top1_agreement``, ``act_sparsity``, ``recall_top``).
+
 Usage::
 
+    .venv/bin/python bench/countdown_study.py --quick --json /tmp/cd_quick.json
     .venv/bin/python bench/countdown_study.py --nwindows 8 --sparsities 0.5,0.7,0.9 \\
         --variants oracle-topk,oracle-topk-w,oracle-thr-w,m-median,m-pooled,m-chan
 """
@@ -27,7 +32,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -271,8 +275,13 @@ def main(argv=None):
     ap.add_argument("--variants", default="oracle-topk,oracle-topk-w,oracle-thr-w")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--allocation", default="uniform", help="uniform | greedy | both")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="write {case, metric, ours, peer, theirs} records here")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 windows, 8 x 256 calibration tokens, sparsity 0.7, two variants (~3 min)")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.nwindows, a.nsamples, a.sparsities = 2, 8, "0.7"
+        a.variants, a.max_tokens, a.stat_tokens = "oracle-topk,m-chan", 1024, 1024
     torch.set_num_threads(a.threads)
     from edgeprune.calibration import build_calibration
     from edgeprune.evaluate import eval_windows
@@ -297,10 +306,13 @@ def main(argv=None):
             f"KL {r['kl']:.4f} top1 {r['top1_agree']:.3f} skipped {r['realised']:.3f} "
             f"recall {r['recall_top']:.3f}")
     if a.json:
-        p = Path(a.json)
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res, indent=1))
-        tmp.replace(p)
+        from _peers import write_json_records
+        units = {"ppl": "ppl", "ppl_dense": "ppl_dense", "ppl_increase_pct": "ppl_increase_pct",
+                 "kl": "kl_nats", "top1_agree": "top1_agreement", "realised": "act_sparsity",
+                 "recall_top": "recall_top"}
+        write_json_records(a.json, [{"case": n, "metric": units[k], "ours": float(v), "peer": None,
+                                     "theirs": None} for n, r in res.items() for k, v in r.items()])
+        log(f"wrote {a.json}")
     return res
 
 
