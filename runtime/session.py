@@ -314,6 +314,9 @@ class Session:
             packed = np.full((B, S), self.pad_token_id, np.int64)
             for b, r in enumerate(rows):
                 packed[b, :len(r)] = r
+            _check_memory(sum(self.kv.bytes(max(S, 1), B).values()) + B * S * self.vocab_size * 4,
+                          f"the KV cache and logits of {B} row(s) x {S} tokens",
+                          "score fewer rows or shorter windows at once")
             cache = SharedKVCache(self.kv, B, max(S, 1), self.device)
             full = self._run_fused(packed, (lens - 1).astype(np.int32), S, S, cache)
             out = np.zeros((B, S, full.shape[-1]), np.float32)

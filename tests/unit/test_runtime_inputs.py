@@ -83,6 +83,16 @@ def test_unequal_rows_prefilled_one_by_one_give_the_same_tokens(folder, monkeypa
     assert calls == [(1, 57), (1, 1), (1, 3)]
 
 
+def test_logits_checks_its_buffers_against_memory(folder, monkeypatch):
+    """logits() allocates a KV cache and B x S x vocab logits: checked like generate()'s."""
+    seen = []
+    monkeypatch.setattr(rs, "_check_memory", lambda n, what, fix: seen.append((n, what)))
+    with runtime.load(folder) as s:
+        s.logits(np.array([[1, 2, 3, 4]] * 2))
+        kv = sum(s.kv.bytes(4, 2).values())
+    assert (kv + 2 * 4 * s.vocab_size * 4, "the KV cache and logits of 2 row(s) x 4 tokens") in seen
+
+
 def test_check_memory_names_the_size_and_the_fix():
     with pytest.raises(GenerationError, match=r"needs \d+ MiB, more than .* available.*fewer rows"):
         rs._check_memory(1 << 60, "the KV cache for 9 row(s) x 256 tokens", "generate fewer rows")
