@@ -208,7 +208,8 @@ class Sampler:
         # shift before scaling: (x - max) / T stays <= 0, so a tiny T cannot overflow to
         # inf - inf = NaN (it tends to greedy instead); same distribution otherwise
         x = x.astype(np.float64)
-        z = (x - x.max(axis=1, keepdims=True)) / self.temperature
+        with np.errstate(over="ignore"):          # -> -inf: probability 0, as meant
+            z = (x - x.max(axis=1, keepdims=True)) / self.temperature
         vocab = z.shape[1]
         if 0 < self.top_k < vocab:
             # k-th largest value per row; ties at the threshold are kept (as HF does).

@@ -267,6 +267,10 @@ class Session:
                 ids = self.tokenizer.encode(p, add_special_tokens=False) if p else []
             elif isinstance(p, (list, tuple, np.ndarray)) and all(
                     isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p):
+                if chat:
+                    raise GenerationError("chat=True renders the chat template around a text prompt; "
+                                          "token ids would be used as they are",
+                                          "pass the text, or token ids already templated with chat=False")
                 ids = [int(t) for t in p]
             else:
                 raise GenerationError(f"prompt row {row} is neither a string nor integer token ids "

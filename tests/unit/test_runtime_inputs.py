@@ -149,6 +149,9 @@ def test_chat_messages_and_a_broken_template(folder, tmp_path):
         a = s.generate(msgs, max_new_tokens=3)
         b = s.generate("hi", max_new_tokens=3, chat=True)
         assert a.token_ids == b.token_ids and a.prompt_tokens == b.prompt_tokens
+        # token ids cannot be templated: said, not silently ignored
+        with pytest.raises(GenerationError, match="chat=True renders the chat template"):
+            s.generate([5, 6, 7], max_new_tokens=2, chat=True)
     bad = tmp_path / "bad"
     shutil.copytree(folder, bad)
     (bad / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content ")
