@@ -592,11 +592,12 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
     folder = Path(folder)
     if not (folder / "model.onnx").is_file():
         raise RuntimeLoadError(f"{folder} has no model.onnx", "pass the folder written by `edgeprune export`")
-    for name, v, lo in (("prompt_len", prompt_len, 1), ("gen_len", gen_len, 2), ("repeat", repeat, 1)):
+    counts = [("prompt_len", prompt_len, 1), ("gen_len", gen_len, 2), ("repeat", repeat, 1)]
+    for name, v, lo in counts + ([("threads", threads, 1)] if threads is not None else []):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
             raise GenerationError(f"{name} must be an integer >= {lo}, got {v!r}"
                                   + (" (decode speed needs at least two new tokens)" if lo == 2 else ""),
-                                  f"pass e.g. --{name.replace('_', '-')} {5 if name == 'repeat' else 128}")
+                                  f"pass e.g. --{name.replace('_', '-')} {({'repeat': 5, 'threads': 2}).get(name, 128)}")
     if sweep not in (None, True, False) and (
             not isinstance(sweep, (list, tuple)) or not all(
                 isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in sweep)):
@@ -614,9 +615,6 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
     cores = os.cpu_count() or 1
     gpu = None
     device = "cpu"
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, (int, np.integer))
-                                or threads < 1):
-        raise GenerationError(f"threads must be a positive integer, got {threads!r}", "pass e.g. threads=2")
     if threads is not None and int(threads) != int(prof.threads):
         notes.append(f"threads set to {int(threads)} (the profile {prof.name} says {prof.threads}).")
     threads = int(prof.threads if threads is None else threads)
@@ -704,7 +702,7 @@ def _project_one(measured: dict, sweep_rows: list, work: dict, host, tgt, prompt
     kv = measured["kv_bytes"]
     kv_per_pos = (kv["k"] + kv["v"]) / max(1, measured["final_length"])
     mean_ctx = prompt_len + gen_len / 2
-    launch_s = float(getattr(tgt, "kernel_launch_us", 0.0)) * 1e-6 * int(work.get("graph_nodes") or 0)
+    launch_s = tgt.kernel_launch_us * 1e-6 * int(work.get("graph_nodes") or 0)
 
     def step(measured_s, bytes_, ops, per_run=1):
         p = devices.project(measured_s, host, tgt, bytes_, ops, comp)

@@ -641,9 +641,10 @@ class Session:
             logits = np.stack([self._run_fused(ids[b:b + 1, :int(lens[b])], np.array([lens[b] - 1], np.int32),
                                                int(lens[b]), 1, cache.row(b))[0, -1] for b in range(B)])
         else:
-            _check_memory(kept_bytes, f"the prefill logits ({B} row(s) x {keep} positions x "
-                          f"{self.vocab_size} vocab)", "generate prompts of similar length together, "
-                          "or fewer rows at once")
+            if kept_bytes > PREFILL_LOGITS_BYTES:       # small ones need no /proc read
+                _check_memory(kept_bytes, f"the prefill logits ({B} row(s) x {keep} positions x "
+                              f"{self.vocab_size} vocab)", "generate prompts of similar length "
+                              "together, or fewer rows at once")
             out = self._run_fused(ids, (lens - 1).astype(np.int32), S, keep, cache)
             idx = (lens - 1) - (S - keep)
             logits = out[np.arange(B), idx]
@@ -655,15 +656,14 @@ class Session:
         st["keep"] = np.ones((), np.int64)
         st["logits_buf"] = np.zeros((B, 1, self.vocab_size), np.float32)
         bd = self.sess.io_binding()
+        cache.bind(bd)
         if self.in_place_io:
             for name, arr in (("input_ids", st["ids"]), ("seqlens_k", st["seqlens"]),
                               ("total_sequence_length", st["total"]),
                               ("num_logits_to_keep", st["keep"])):
                 bd.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
             bd.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(st["logits_buf"]))
-            cache.bind(bd)
         else:
-            cache.bind(bd)
             bd.bind_output("logits", "cpu")      # bound last: the last output (binding order)
         st["binding"] = bd
         st["logits"] = logits
