@@ -409,7 +409,9 @@ def leank_cmd(model, k_keep, method, calib, nsamples, seqlen, sink, window, out_
 @click.option("--max-length", type=int, default=None,
               help="Context length in tokens (default and upper bound: the export's).")
 @click.option("--context-policy", type=click.Choice(["error", "sliding_window"]), default="error",
-              show_default=True, help="What happens when the context is full.")
+              show_default=True, help="What happens when the context is full: raise, or re-prefill "
+                                      "the last max_length // 2 tokens and go on (a longer "
+                                      "prompt is cut to that window too).")
 @click.option("--stop", "stops", multiple=True,
               help="Stop string (repeatable); the escapes \\n, \\t and \\\\ are understood, so "
                    "--stop '\\n\\n' stops at a blank line.")

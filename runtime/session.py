@@ -21,7 +21,9 @@ Context overflow (``context_policy``):
   ``max_length`` raises :class:`GenerationError` naming ``max_length`` before any work.
 * ``"sliding_window"``: when a row's cache is full, the last ``max_length // 2`` tokens
   are re-prefilled from position 0 (recomputation; rotary positions restart) and
-  generation continues. Never a silent overwrite of the cache.
+  generation continues; a prompt longer than ``max_length`` is cut to the same window (its
+  last ``max_length // 2`` tokens; ``GenerationResult.prompt_tokens`` counts what was
+  kept). Never a silent overwrite of the cache.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class GenerationResult:
     Attributes:
         texts: generated text per row (prompt excluded).
         token_ids: generated ids per row.
-        prompt_tokens: prompt length (tokens) per row.
+        prompt_tokens: prompt length (tokens) per row, as fed to the model (after the
+            ``"sliding_window"`` policy's cut of a prompt longer than ``max_length``).
         ttft_ms: time to first token (prefill + first sampling), milliseconds.
         prefill_tok_s: prompt tokens (all rows) / prefill seconds.
         decode_tok_s: generated tokens after the first, per row, / decode seconds.
@@ -284,9 +287,14 @@ class Session:
                 raise GenerationError(f"token id out of range [0, {self.vocab_size})",
                                       "encode the prompt with this folder's tokenizer")
             if len(ids) > self.max_length:
-                raise GenerationError(f"the prompt has {len(ids)} tokens, more than the context "
-                                      f"max_length={self.max_length}",
-                                      "shorten the prompt or load with a larger max_length")
+                if self.context_policy == "sliding_window":
+                    ids = ids[-max(1, self.max_length // 2):]   # the window an overflow keeps
+                else:
+                    raise GenerationError(f"the prompt has {len(ids)} tokens, more than the "
+                                          f"context max_length={self.max_length}",
+                                          "shorten the prompt, load with a larger max_length, or "
+                                          "use context_policy='sliding_window' (keeps its last "
+                                          "max_length // 2 tokens)")
             out.append(ids)
         return out, batched
 

@@ -171,6 +171,11 @@ def test_context_overflow_policies(folders):
         # up to the window the tokens equal an unbounded run
         ref = _torch_greedy(model, np.array([ids]), 12)
         assert r.token_ids[0][:12] == ref
+        # a prompt longer than the context keeps the overflow's window: its last 16 tokens
+        long_ids = rand_ids(40, seed=4)[0].tolist()
+        cut = s.generate(long_ids, max_new_tokens=8)
+        assert cut.prompt_tokens == [16]
+        assert cut.token_ids[0] == _torch_greedy(model, np.array([long_ids[-16:]]), 8)
 
 
 def test_bad_inputs(folders, tmp_path):
