@@ -283,9 +283,7 @@ class Session:
             if not ids:
                 raise GenerationError("the prompt is empty" + (f" (row {row})" if batched else ""),
                                       "pass a non-empty string or token ids")
-            if max(ids) >= self.vocab_size or min(ids) < 0:
-                raise GenerationError(f"token id out of range [0, {self.vocab_size})",
-                                      "encode the prompt with this folder's tokenizer")
+            self._check_token_range(min(ids), max(ids))
             if len(ids) > self.max_length:
                 if self.context_policy == "sliding_window":
                     ids = ids[-max(1, self.max_length // 2):]   # the window an overflow keeps
@@ -339,6 +337,12 @@ class Session:
         finally:
             self._lock.release()
 
+    def _check_token_range(self, lo, hi) -> None:
+        """Raises :class:`GenerationError` unless token ids ``lo..hi`` lie in ``[0, vocab)``."""
+        if lo < 0 or hi >= self.vocab_size:
+            raise GenerationError(f"token id out of range [0, {self.vocab_size}): min {int(lo)}, "
+                                  f"max {int(hi)}", "encode the text with this folder's tokenizer")
+
     def _logits_inputs(self, input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:
         """``(ids int64 [B, S], mask int64 [B, S])`` checked for :meth:`logits`: integer
         ids in ``[0, vocab)``, ``S <= max_length``, a 0/1 mask of the same shape, padded
@@ -354,9 +358,7 @@ class Session:
             raise GenerationError(f"input_ids must be integer token ids [batch, seq] (or [seq]), got "
                                   f"{ids.dtype} {tuple(np.shape(input_ids))}",
                                   "pass e.g. np.array([[1, 2, 3]])")
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise GenerationError(f"token id out of range [0, {self.vocab_size}): min {int(ids.min())}, "
-                                  f"max {int(ids.max())}", "pass ids of this model's tokenizer")
+        self._check_token_range(ids.min(), ids.max())
         ids = ids.astype(np.int64)
         if ids.shape[1] > self.max_length:
             raise GenerationError(f"{ids.shape[1]} tokens exceed max_length={self.max_length}",
