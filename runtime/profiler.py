@@ -192,6 +192,14 @@ def gpu_availability() -> tuple[bool, str]:
 # the report
 # ------------------------------------------------------------------------------------------
 
+def _fmt(v: Optional[float], decimals: int) -> str:
+    """A table cell: ``decimals`` places (thousands separated) from 1 up, two significant
+    digits below (a tiny model's 0.004 MiB KV cache is not "0.0"), "—" for ``None``."""
+    if v is None:
+        return "—"
+    return f"{v:,.{decimals}f}" if v == 0 or abs(v) >= 1 else f"{v:.2g}"
+
+
 def _pct(xs: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if len(xs) else float("nan")
 
@@ -252,15 +260,15 @@ class ProfileReport:
         def proj(key, fmt):
             return [fmt(self.projected[t].get(key)) for t in targets]
 
-        f1 = lambda v: "—" if v is None else f"{v:,.1f}"  # noqa: E731
-        mib = lambda v: "—" if v is None else f"{v / MiB:,.1f}"  # noqa: E731
+        f1 = lambda v: _fmt(v, 1)  # noqa: E731
+        mib = lambda v: "—" if v is None else _fmt(v / MiB, 1)  # noqa: E731
         rows.append(["time to first token (ms)", f1(m["ttft_ms"]["median"])] + proj("ttft_ms", f1))
         rows.append(["prefill tokens/s (median)", f1(m["prefill_tok_s"]["median"])] + proj("prefill_tok_s", f1))
         rows.append(["decode tokens/s (median)", f1(m["decode_tok_s"]["median"])] + proj("decode_tok_s", f1))
         rows.append(["decode tokens/s (p90 latency)", f1(m["decode_tok_s"]["p90"])] + proj("decode_tok_s_p90", f1))
         rows.append(["decode step ms (median / p90)",
-                     f"{m['decode_step_ms']['median']:.2f} / {m['decode_step_ms']['p90']:.2f}"]
-                    + proj("decode_step_ms", lambda v: "—" if v is None else f"{v:.2f}"))
+                     f"{_fmt(m['decode_step_ms']['median'], 2)} / {_fmt(m['decode_step_ms']['p90'], 2)}"]
+                    + proj("decode_step_ms", lambda v: _fmt(v, 2)))
         rows.append(["peak RSS (MiB)", mib(m["peak_rss_bytes"])]
                     + [f"{mib(self.projected[t].get('peak_memory_bytes'))} "
                        f"({'fits' if self.projected[t].get('fits_budget') else 'OVER'} "
@@ -284,8 +292,8 @@ class ProfileReport:
             out += ["", "Context sweep (measured):", "",
                     "| context (tokens) | decode step ms (median) | decode tok/s | RSS after the run (MiB) | KV K+V (MiB) |",
                     "|---|---|---|---|---|"]
-            out += [f"| {s['context']} | {s['decode_step_ms']:.2f} | {s['decode_tok_s']:.1f} | "
-                    f"{s['rss_bytes'] / MiB:.1f} | {s['kv_bytes'] / MiB:.2f} |" for s in self.sweep]
+            out += [f"| {s['context']} | {_fmt(s['decode_step_ms'], 2)} | {_fmt(s['decode_tok_s'], 1)} | "
+                    f"{_fmt(s['rss_bytes'] / MiB, 1)} | {_fmt(s['kv_bytes'] / MiB, 2)} |" for s in self.sweep]
             sp = self.measured.get("sweep_peak_rss_bytes")
             if sp:
                 out += ["", f"Peak RSS over the sweep: {sp / MiB:.1f} MiB (the table's peak RSS "

@@ -55,6 +55,8 @@ def test_profile_measures_and_projects(tiny_folder, tmp_path):
     assert r.plot_path == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = r.to_markdown()
     assert "projected: raspberry-pi-5" in md and "measured (this host" in md and "| 64 |" in md
+    # a tiny cache reads as what it is (10,240 bytes = 0.0098 MiB), not "0.0"
+    assert "(MiB) | 0.0098 / 0.0098 |" in md
     data = json.loads(r.to_json(tmp_path / "p.json"))
     assert data == json.loads((tmp_path / "p.json").read_text())
     assert data["measured"]["kv_bytes"]["k"] == 10240
