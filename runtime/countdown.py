@@ -42,10 +42,10 @@ class CountdownSession(Session):
 
     def __init__(self, folder, device: str = "cpu", threads: Optional[int] = None,
                  max_length: Optional[int] = None, context_policy: str = "error",
-                 countdown: bool = True):
+                 huge_pages: bool = True, countdown: bool = True):
         self.countdown_enabled = bool(countdown)
         super().__init__(folder, device=device, threads=threads, max_length=max_length,
-                         context_policy=context_policy)
+                         context_policy=context_policy, huge_pages=huge_pages)
         self.countdown = self._countdown_meta()
         self.kept_log: list = []
         self._has_kept = KEPT_OUTPUT in self.output_names

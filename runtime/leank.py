@@ -31,9 +31,10 @@ class LeanKSession(Session):
     """A loaded LeanK export folder (see module docstring); same API as ``Session``."""
 
     def __init__(self, folder, device: str = "cpu", threads: Optional[int] = None,
-                 max_length: Optional[int] = None, context_policy: str = "error"):
+                 max_length: Optional[int] = None, context_policy: str = "error",
+                 huge_pages: bool = True):
         super().__init__(folder, device=device, threads=threads, max_length=max_length,
-                         context_policy=context_policy)
+                         context_policy=context_policy, huge_pages=huge_pages)
         lk = self.meta.get("leank")
         if not isinstance(lk, dict) or "keep" not in lk:
             raise RuntimeLoadError(f"{self.folder} has no LeanK metadata",

@@ -40,6 +40,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .errors import GenerationError, RuntimeLoadError
+from .hugepages import collapse_resident
 from .kv_cache import ConcatKVCache, KVSpec, SharedKVCache
 from .sampling import Sampler
 from .tokenizer import Tokenizer
@@ -110,6 +111,10 @@ class Session:
         threads: intra-op threads (``None``: onnxruntime's default).
         max_length: KV-cache length in tokens (default and upper bound: the export's).
         context_policy: ``"error"`` | ``"sliding_window"`` (see module docstring).
+        huge_pages: on CPU, back the fully resident weights onnxruntime pre-packed with
+            2 MiB transparent huge pages after the load (Linux 6.1+ ``MADV_COLLAPSE``; see
+            :mod:`runtime.hugepages`: ~10 % faster decode on one core, ~0.2 s of load, no
+            RSS growth). ``huge_page_bytes`` records how much was collapsed.
 
     Raises:
         RuntimeLoadError: missing files, corrupt ``model.onnx`` / metadata, unknown device,
@@ -118,7 +123,8 @@ class Session:
     """
 
     def __init__(self, folder, device: str = "cpu", threads: Optional[int] = None,
-                 max_length: Optional[int] = None, context_policy: str = "error"):
+                 max_length: Optional[int] = None, context_policy: str = "error",
+                 huge_pages: bool = True):
         self.folder = Path(folder)
         for name, v in (("threads", threads), ("max_length", max_length)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
@@ -176,6 +182,7 @@ class Session:
                                    ) from e
         _release_free_heap()
         _drop_mapped_weight_pages(self.folder)
+        self.huge_page_bytes = collapse_resident() if huge_pages and self.device == "cpu" else 0
         names = {i.name for i in self.sess.get_inputs()}
         self.fused = "seqlens_k" in names
         self.kv = KVSpec.from_session(self.sess)
@@ -932,7 +939,8 @@ def _weight_mappings(folder: Path) -> list[dict]:
 
 
 def load(folder, device: str = "cpu", threads: Optional[int] = None,
-         max_length: Optional[int] = None, context_policy: str = "error") -> Session:
+         max_length: Optional[int] = None, context_policy: str = "error",
+         huge_pages: bool = True) -> Session:
     """Load an export folder: ``runtime.load(folder, device="cpu", threads=2)``.
 
     See :class:`Session` for the arguments and raised errors.
@@ -947,7 +955,7 @@ def load(folder, device: str = "cpu", threads: Optional[int] = None,
     except (OSError, ValueError, AttributeError):
         pass   # Session reports missing/corrupt metadata with a clear error
     return cls(folder, device=device, threads=threads, max_length=max_length,
-               context_policy=context_policy)
+               context_policy=context_policy, huge_pages=huge_pages)
 
 
 __all__ = ["load", "Session", "GenerationResult"]

@@ -3,8 +3,10 @@
 Usage: ``python _rss_worker.py FOLDER MODE N`` with MODE
 
 * ``peak``: greedy generation of ``N`` new tokens (EOS ignored) after a 128-token
-  prompt; prints JSON ``{"vm_hwm", "kv_bytes"}`` (peak resident set of this process
-  from ``/proc/self/status`` ``VmHWM``, bytes; KV bytes held at the final length).
+  prompt; prints JSON ``{"vm_hwm", "kv_bytes", "huge_page_bytes", "anon_huge"}`` (peak
+  resident set of this process from ``/proc/self/status`` ``VmHWM``, bytes; KV bytes held
+  at the final length; bytes the load collapsed into huge pages; ``AnonHugePages`` of
+  ``/proc/self/smaps_rollup`` at the end).
 * ``embed``: a prompt of 128 token ids spread evenly over the vocabulary, ``N`` new
   tokens; prints JSON ``{"weights_rss"}``: bytes of the weight file's mappings still
   resident (the embedding rows read through the memory map).
@@ -51,7 +53,10 @@ def main() -> None:
         r = sess.generate(prompt, max_new_tokens=n)
         assert len(r.token_ids[0]) == n, len(r.token_ids[0])
         kv = sess.kv_cache_bytes(len(prompt) + n)
-        print(json.dumps({"vm_hwm": _hwm(), "kv_bytes": kv["k"] + kv["v"]}))
+        huge = [int(x.split()[1]) * 1024 for x in open("/proc/self/smaps_rollup")
+                if x.startswith("AnonHugePages:")]
+        print(json.dumps({"vm_hwm": _hwm(), "kv_bytes": kv["k"] + kv["v"],
+                          "huge_page_bytes": sess.huge_page_bytes, "anon_huge": sum(huge)}))
         return
     proc = psutil.Process()
     samples, stop = [], threading.Event()

@@ -1,0 +1,79 @@
+"""Transparent huge pages for the weights onnxruntime pre-packs (Linux).
+
+A decode step streams every pre-packed ``MatMulNBits`` weight once (~90 MiB for
+SmolLM2-135M int4), spread over ~23,000 4 KiB pages: a TLB miss, and a page walk, every
+4 KiB, which on one core costs about a tenth of the step. The kernel can back the same
+memory with 2 MiB pages: ``madvise(MADV_COLLAPSE)`` (Linux 6.1+) copies a 2 MiB-aligned
+stretch into one huge page synchronously, whatever the system's THP mode, as long as THP
+is compiled in. Only stretches whose every page is already resident (``mincore``) are
+collapsed, so the resident set does not grow (a partly used stretch would be filled with
+zero pages); the private anonymous mappings and the heap are scanned, nothing file-backed.
+
+Measured on SmolLM2-135M int4 (2-core Zen 3, one thread, two sessions of the same export
+decoding in lock step, 6 x 127 steps, both load orders): ~96 MiB collapsed in ~0.2 s,
+decode steps 1.10-1.12x faster (median of paired step times), peak RSS +1 MiB.
+Elsewhere (macOS, Windows, kernels without ``MADV_COLLAPSE``) :func:`collapse_resident`
+does nothing and returns 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import sys
+
+HUGE_PAGE = 2 << 20
+MADV_COLLAPSE = 25
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
+
+
+def _anonymous_ranges() -> list[tuple[int, int]]:
+    """``(start, end)`` of this process's private, writable, anonymous mappings (the heap
+    included), from ``/proc/self/maps``."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(None, 5)
+            path = parts[5].strip() if len(parts) > 5 else ""
+            if parts[1].startswith("rw") and parts[1][3] == "p" and parts[4] == "0" \
+                    and path in ("", "[heap]"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append((lo, hi))
+    return out
+
+
+def collapse_resident() -> int:
+    """Back every fully resident, 2 MiB-aligned stretch of private anonymous memory with a
+    transparent huge page (``madvise(MADV_COLLAPSE)``).
+
+    Returns:
+        Bytes collapsed by this call (stretches already huge count again; a multiple of
+        2 MiB); 0 off Linux or where the kernel lacks ``MADV_COLLAPSE`` or THP.
+
+    Never raises: a stretch the kernel cannot collapse (busy, no memory) stays as it is.
+    """
+    if not sys.platform.startswith("linux"):
+        return 0
+    try:
+        libc = _libc()
+        ranges = _anonymous_ranges()
+    except (OSError, AttributeError, ValueError, IndexError):
+        return 0
+    vec = (ctypes.c_ubyte * (HUGE_PAGE // 4096))()
+    done = 0
+    for lo, hi in ranges:
+        a = (lo + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+        while a + HUGE_PAGE <= hi:
+            if libc.mincore(ctypes.c_void_p(a), HUGE_PAGE, vec) == 0 and 0 not in bytes(vec):
+                if libc.madvise(ctypes.c_void_p(a), HUGE_PAGE, MADV_COLLAPSE) == 0:
+                    done += HUGE_PAGE
+                elif ctypes.get_errno() == errno.EINVAL:   # no MADV_COLLAPSE / no THP
+                    return done
+            a += HUGE_PAGE
+    return done

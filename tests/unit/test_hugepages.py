@@ -1,0 +1,90 @@
+"""runtime.hugepages: fully resident anonymous memory is collapsed into 2 MiB pages, partly
+resident memory is left alone (no RSS growth), and sessions use it by default."""
+
+import ctypes
+import mmap
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from _h4_tiny_tokenizer import export_tiny_llama
+
+from runtime import hugepages
+
+HP = hugepages.HUGE_PAGE
+
+
+def _collapse_supported() -> bool:
+    if not sys.platform.startswith("linux") or not Path("/sys/kernel/mm/transparent_hugepage").is_dir():
+        return False
+    try:
+        major, minor = (int(x) for x in platform.release().split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (6, 1)
+
+
+needs_collapse = pytest.mark.skipif(not _collapse_supported(),
+                                    reason="needs Linux 6.1+ with transparent huge pages")
+
+
+def _anon_huge_kib(lo: int, hi: int) -> int:
+    """AnonHugePages (KiB) of the mappings overlapping [lo, hi) in /proc/self/smaps."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split(None, 1)[0]
+        if "-" in head and ":" not in head:
+            a, b = (int(x, 16) for x in head.split("-"))
+            inside = a < hi and b > lo
+        elif inside and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1])
+    return total
+
+
+def _resident_pages(addr: int, n: int) -> int:
+    libc = hugepages._libc()
+    vec = (ctypes.c_ubyte * (n // 4096))()
+    assert libc.mincore(ctypes.c_void_p(addr), n, vec) == 0
+    return sum(v & 1 for v in vec)
+
+
+@needs_collapse
+def test_fully_resident_memory_is_collapsed_partly_resident_is_not():
+    n = 8 * HP
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # 8 huge pages
+    buf = np.frombuffer(m, np.uint8)
+    addr = buf.ctypes.data
+    first = (addr + HP - 1) // HP * HP         # first 2 MiB-aligned stretch inside
+    buf[: first - addr + 3 * HP] = 1           # touch everything up to 3 aligned stretches
+    half = first + 3 * HP                      # the next stretch: only its first half
+    buf[half - addr: half - addr + HP // 2] = 1
+    assert _anon_huge_kib(addr, addr + n) == 0
+    done = hugepages.collapse_resident()
+    assert done >= 3 * HP
+    assert _anon_huge_kib(addr, addr + n) >= 3 * HP // 1024
+    # the half-touched stretch keeps its untouched pages unmapped: no RSS growth
+    assert _resident_pages(half, HP) == HP // 4096 // 2
+    assert (buf[: first - addr + 3 * HP] == 1).all() and buf[half - addr + HP // 2:].max() == 0
+    del buf
+    m.close()
+
+
+@needs_collapse
+def test_sessions_collapse_by_default(tmp_path):
+    """The real weights' share is checked on SmolLM2 (integration test_runtime_memory)."""
+    import runtime
+    folder, _, _ = export_tiny_llama(tmp_path / "tiny")
+    with runtime.load(folder, threads=1, huge_pages=False) as s:
+        assert s.huge_page_bytes == 0
+        ref = s.generate([5, 6, 7], max_new_tokens=6).token_ids
+    with runtime.load(folder, threads=1) as s:
+        assert s.huge_page_bytes > 0 and s.huge_page_bytes % HP == 0
+        assert s.generate([5, 6, 7], max_new_tokens=6).token_ids == ref
+
+
+def test_off_linux_it_does_nothing(monkeypatch):
+    monkeypatch.setattr(hugepages.sys, "platform", "darwin")
+    assert hugepages.collapse_resident() == 0
