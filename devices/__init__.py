@@ -192,6 +192,12 @@ def _from_dict(raw: dict, path: Path, measure: bool) -> DeviceProfile:
     if missing:
         raise DeviceError(f"device profile {path} lacks {', '.join(missing)}",
                           f"add them; see {PROFILE_DIR / 'raspberry-pi-5.toml'} for an example")
+    known = set(required) | {"description", "notes", "bandwidth_efficiency", "compute_efficiency",
+                             "kernel_launch_us"}
+    unknown = sorted(set(raw) - known)
+    if unknown:         # a misspelt figure would otherwise be dropped for a default
+        raise DeviceError(f"device profile {path}: unknown field(s) {', '.join(unknown)}",
+                          f"use only {', '.join(sorted(known))}")
     cls = raw["class"]
     if cls not in CLASSES:
         raise DeviceError(f"device profile {path}: class {cls!r} is not one of {CLASSES}", "fix 'class'")
@@ -212,6 +218,11 @@ def _from_dict(raw: dict, path: Path, measure: bool) -> DeviceProfile:
                               f"give {'a whole number' if whole else 'a number'} or "
                               + " / ".join(f'"{w}"' for w in allowed))
     wants = [k for k in words if isinstance(raw[k], str)]
+    measured_here = [k for k in wants if raw[k] == "measure"]
+    if measured_here and cls != "host":
+        raise DeviceError(f"device profile {path}: {', '.join(measured_here)} = \"measure\" but class "
+                          f"{cls!r} is not this machine", "give the target's figures (spec sheet) or "
+                          "class = \"host\" for the machine the profile runs on")
     extra = {}
     for k, span in (("bandwidth_efficiency", "(0, 1]"), ("compute_efficiency", "(0, 1]"),
                     ("kernel_launch_us", "[0, 1e6]")):

@@ -31,13 +31,48 @@ def _console():
 
 
 def _write_json(path: Optional[str], data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` atomically (temporary file, then rename)."""
+    from runtime.profiler import _atomic_write
+
+    if path:
+        _atomic_write(Path(path), json.dumps(data, indent=2, default=str).encode())
+
+
+def _check_output(path: Optional[str], flag: str, inputs=(), folder: bool = False) -> None:
+    """Refuse, before any work, an output path (``--json`` file, ``--out`` folder) that is,
+    holds or lies in an input folder, has the wrong kind (a folder for a file, a file for
+    a folder), or whose nearest existing parent cannot take a new file (a file, read-only,
+    ``/proc``): probed with a temporary file that is removed at once.
+
+    Raises:
+        ConfigError: naming the flag, the path and the fix.
+    """
+    import tempfile
+
+    from exporters.folder import source_conflict
+
     if not path:
         return
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, p)
+    p = Path(path).expanduser()
+    why = source_conflict(p, [Path(i) for i in inputs if i and Path(i).expanduser().exists()])
+    if why:
+        raise ConfigError(f"refusing to write {flag} {path}: {why}",
+                          f"write {flag} outside the input folder")
+    if folder and p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag} {path} is a file, not a folder", f"pass a folder to {flag}")
+    if not folder and p.is_dir():
+        raise ConfigError(f"{flag} {path} is a folder", f"pass a file path, e.g. {flag} out.json")
+    parent = p if folder and p.is_dir() else p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    try:
+        if not parent.is_dir():
+            raise OSError(f"{parent} is not a folder")
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {path} cannot be written ({e})",
+                          f"pass a path in a writable folder to {flag}") from e
 
 
 def _parse_pattern(pattern: Optional[str]) -> tuple[Optional[int], Optional[int]]:
@@ -127,6 +162,7 @@ def run_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, cal
             seed, device, eval_text, eval_seqlen, eval_nwindows, threads, prompt_len, gen_len, repeat,
             out_dir, overwrite, json_path):
     """The main job: compress, evaluate, export, run and report on one model."""
+    _check_output(json_path, "--json", [model])
     from .pipeline import RunConfig, run_pipeline
 
     pn, pm = _parse_pattern(pattern)
@@ -158,6 +194,7 @@ def run_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, cal
 def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, calib, nsamples, seqlen,
                  seed, device, out_dir, fmt, overwrite, json_path):
     """Compress MODEL with a method or recipe and save a checkpoint."""
+    _check_output(json_path, "--json", [model])
     from . import checkpoint as ckpt
     from .calibration import build_calibration
     from .engine import check_recipe, compress
@@ -211,6 +248,7 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
 @click.option("--json", "json_path", default=None, help="Write the figures here.")
 def eval_cmd(model, text, seqlen, nwindows, dense_ref, threads, json_path):
     """Perplexity of MODEL (alias, .gguf, HF folder, checkpoint or ONNX export folder)."""
+    _check_output(json_path, "--json", [model] + ([dense_ref] if dense_ref else []))
     from .evaluate import fidelity, perplexity
 
     if threads:
@@ -306,6 +344,7 @@ def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head
     from .models import load_model
 
     # numeric options first: a bad one is an error now, not after loading or calibrating
+    _check_output(json_path, "--json", [checkpoint])
     exporters.check_export_args(precision or "int4", group_size, accuracy_level, max_length)
     levels = _parse_levels(accuracy_levels)
     if (k_keep is not None or leank_mask) and act_sparsity is not None:
@@ -458,13 +497,11 @@ def _unescape(text: str) -> str:
 @click.option("--json", "json_path", default=None)
 def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets, out_dir, threads, json_path):
     """Measure latency and memory of an exported FOLDER under a device profile."""
-    from runtime.profiler import profile
+    from runtime.profiler import _atomic_write, profile
 
     # outputs checked before minutes of measuring, not after
-    if out_dir and Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise ConfigError(f"--out {out_dir} is a file, not a folder", "pass a folder for the plot and profile.md")
-    if json_path and Path(json_path).is_dir():
-        raise ConfigError(f"--json {json_path} is a folder", "pass a file path, e.g. --json profile.json")
+    _check_output(out_dir, "--out", [folder], folder=True)
+    _check_output(json_path, "--json", [folder])
     rep = profile(folder, device_name, prompt_len=prompt_len, gen_len=gen_len, repeat=repeat,
                   sweep=True if sweep else None, targets=list(targets) or None, out_dir=out_dir,
                   threads=threads)
@@ -472,7 +509,7 @@ def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets
     click.echo(md)          # Markdown as is: no terminal-width wrapping, no rich markup
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "profile.md").write_text(md)
+        _atomic_write(Path(out_dir) / "profile.md", md.encode())
     if json_path:
         rep.to_json(json_path)
 
@@ -483,6 +520,7 @@ def devices_cmd(json_path):
     """List the device profiles (devices/profiles/*.toml)."""
     import devices
 
+    _check_output(json_path, "--json")
     profs = devices.list_profiles()
     rows = []
     for p in profs:
@@ -501,7 +539,8 @@ def devices_cmd(json_path):
 _CLI_FLAGS = {"threads": "--threads", "max_new_tokens": "--max-new-tokens", "max_length": "--max-length",
               "top_k": "--top-k", "top_p": "--top-p", "temperature": "--temperature",
               "repetition_penalty": "--repetition-penalty", "context_policy": "--context-policy",
-              "prompt_len": "--prompt-len", "gen_len": "--gen-len", "repeat": "--repeat"}
+              "prompt_len": "--prompt-len", "gen_len": "--gen-len", "repeat": "--repeat",
+              "seed": "--seed"}
 
 
 def _as_cli_hint(message: str) -> str:

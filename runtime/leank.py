@@ -159,7 +159,7 @@ class LeanKSession(Session):
                 outs.append(self._run(part, part.shape[1], caches))
             return np.concatenate(outs, axis=1)
         finally:
-            self._lock.release()
+            self._release()
 
     def _prefill(self, prompts, need=None) -> dict:
         lens = {len(p) for p in prompts}
@@ -198,7 +198,7 @@ class LeanKSession(Session):
                 if s >= warmup:
                     times.append(time.perf_counter() - t0)
         finally:
-            self._lock.release()
+            self._release()
         med = float(np.median(times))
         return {"tok_s": 1.0 / med, "step_ms": med * 1e3, "steps": steps, "context": context}
 

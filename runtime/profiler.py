@@ -216,7 +216,8 @@ class ProfileReport:
         measured: ``ttft_ms`` / ``prefill_tok_s`` / ``decode_tok_s`` / ``decode_step_ms``
             (each ``{"median", "p90"}``; for rates, "p90" is the slow tail: decode tok/s
             at the p90 step latency, the 10th-percentile prefill rate), ``peak_rss_bytes``, ``weights_bytes``, ``kv_bytes`` (``{"k", "v"}``
-            at ``final_length`` tokens), ``final_length``.
+            for the ``kv_tokens = final_length - 1`` tokens cached at the end: the last new
+            token is sampled, never fed back), ``final_length`` (prompt + new tokens).
         projected: ``{target: {...}}`` roofline projections (never measurements).
         work: bytes / ops per token of the graph (:func:`model_work`).
         host: the host's measured bandwidth / compute used for the projection.
@@ -276,7 +277,7 @@ class ProfileReport:
         rows.append(["weights (MiB)", mib(m["weights_bytes"])] + [mib(m["weights_bytes"])] * len(targets))
         kv = m["kv_bytes"]
         kvs = f"{mib(kv['k'])} / {mib(kv['v'])}"
-        rows.append([f"KV cache K / V at {m['final_length']} tokens (MiB)", kvs] + [kvs] * len(targets))
+        rows.append([f"KV cache K / V, {m['kv_tokens']} cached tokens (MiB)", kvs] + [kvs] * len(targets))
         rows.append(["bound (roofline)", "—"] + proj("bound", lambda v: v or "—"))
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -490,10 +491,10 @@ def _measure(cfg: dict) -> dict:
             r = sess.generate(_prompt_ids(sess.tokenizer, int(c), int(sess.vocab_size)), max_new_tokens=SWEEP_NEW_TOKENS)
             watch.check()
             st = float(np.median(r.step_ms)) if r.step_ms else float("nan")
-            kv = sess.kv_cache_bytes(int(c) + SWEEP_NEW_TOKENS)
+            kv = sess.kv_cache_bytes(int(c) + SWEEP_NEW_TOKENS - 1)
             sweep.append({"context": int(c), "decode_step_ms": st, "decode_tok_s": 1000.0 / st if st > 0 else 0.0,
                           "rss_bytes": watch.rss(), "ttft_ms": r.ttft_ms, "kv_bytes": int(kv["k"] + kv["v"])})
-        kv = sess.kv_cache_bytes(P + G)
+        kv = sess.kv_cache_bytes(P + G - 1)      # the last new token is never fed back
         weights = int(sess.weights_bytes)
         sess.close()
     sweep_peak = max(watch.peak, _vm_hwm()) if sweep else None
@@ -505,7 +506,7 @@ def _measure(cfg: dict) -> dict:
         "decode_tok_s": {"median": 1000.0 / med, "p90": 1000.0 / p90, "runs": decode_runs},
         "peak_rss_bytes": peak, "rss_start_bytes": rss_start, "rss_loaded_bytes": rss_loaded,
         "weights_bytes": weights, "kv_bytes": {"k": int(kv["k"]), "v": int(kv["v"])},
-        "final_length": P + G, "sweep": sweep, "budget_bytes": cfg.get("budget_bytes"),
+        "final_length": P + G, "kv_tokens": P + G - 1, "sweep": sweep, "budget_bytes": cfg.get("budget_bytes"),
         "sweep_peak_rss_bytes": sweep_peak,
     }
 
@@ -623,20 +624,23 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
     cores = os.cpu_count() or 1
     gpu = None
     device = "cpu"
-    if threads is not None and int(threads) != int(prof.threads):
-        notes.append(f"threads set to {int(threads)} (the profile {prof.name} says {prof.threads}).")
-    threads = int(prof.threads if threads is None else threads)
+    asked = None if threads is None else int(threads)
+    threads = int(prof.threads if asked is None else asked)
     if prof.execution_provider == "CUDAExecutionProvider":
         ok, reason = gpu_availability()
         gpu = {"available": ok, "reason": reason}
         if ok:
             device = "cuda"
         else:
-            threads = cores
+            threads = cores if asked is None else asked   # the host CPU stands in for the GPU
             notes.append(f"{prof.name}: {reason}. Measured figures are from the host CPU; the GPU column is projected only.")
     if device == "cpu" and threads > cores:
-        notes.append(f"{prof.name} runs {threads} threads; this host has {cores} cores, so {cores} were used.")
+        who = f"--threads {asked} asks for" if asked is not None else f"{prof.name} runs"
+        notes.append(f"{who} {threads} threads; this host has {cores} cores, so {cores} were used.")
         threads = cores
+    elif asked is not None and asked != int(prof.threads) and device == "cpu" and \
+            prof.execution_provider != "CUDAExecutionProvider":
+        notes.append(f"threads set to {asked} (the profile {prof.name} says {prof.threads}).")
     if sweep is True:
         sweep_list = [c for c in DEFAULT_SWEEP if c + SWEEP_NEW_TOKENS <= export_max]
         if export_max - SWEEP_NEW_TOKENS > (sweep_list or [0])[-1]:
@@ -649,10 +653,13 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
                                   f"(+{SWEEP_NEW_TOKENS} decode tokens)", f"use contexts <= {export_max - SWEEP_NEW_TOKENS}")
     else:
         sweep_list = []
-    need = max([prompt_len + gen_len] + [c + SWEEP_NEW_TOKENS for c in sweep_list])
+    # the last new token is sampled, never fed back: prompt + new - 1 tokens are cached
+    need = max([prompt_len + gen_len - 1] + [c + SWEEP_NEW_TOKENS - 1 for c in sweep_list])
     if need > export_max:
-        raise GenerationError(f"prompt_len + gen_len = {prompt_len + gen_len} exceeds the export's max_length={export_max}",
-                              f"lower --prompt-len/--gen-len to fit {export_max} tokens, or re-export with a larger --max-length")
+        raise GenerationError(f"prompt_len + gen_len - 1 = {prompt_len + gen_len - 1} cached tokens exceed the "
+                              f"export's max_length={export_max}",
+                              f"lower --prompt-len/--gen-len to fit {export_max} tokens, or re-export with "
+                              "`edgeprune export --max-length`")
     cfg = {"folder": str(folder), "device": device, "threads": threads, "prompt_len": int(prompt_len),
            "gen_len": int(gen_len), "repeat": int(repeat), "sweep": sweep_list, "max_length": need,
            "budget_bytes": int(prof.memory_budget_bytes), "profile_name": prof.name}
@@ -708,7 +715,7 @@ def _project_one(measured: dict, sweep_rows: list, work: dict, host, tgt, prompt
     comp = work["compute"]
     wb, wo, attn = work["weight_bytes_per_token"], work["weight_ops_per_token"], work["attn_ops_per_position"]
     kv = measured["kv_bytes"]
-    kv_per_pos = (kv["k"] + kv["v"]) / max(1, measured["final_length"])
+    kv_per_pos = (kv["k"] + kv["v"]) / max(1, measured["kv_tokens"])
     mean_ctx = prompt_len + gen_len / 2
     launch_s = tgt.kernel_launch_us * 1e-6 * int(work.get("graph_nodes") or 0)
 

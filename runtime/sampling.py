@@ -27,6 +27,8 @@ from runtime.errors import GenerationError
 
 __all__ = ["Sampler", "apply_repetition_penalty"]
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
 
 def apply_repetition_penalty(logits: np.ndarray, generated: Sequence[Sequence[int]] | None,
                              penalty: float) -> np.ndarray:
@@ -57,8 +59,11 @@ def apply_repetition_penalty(logits: np.ndarray, generated: Sequence[Sequence[in
             raise GenerationError(
                 f"token id {int(ids[0] if ids[0] < 0 else ids[-1])} in row {row} is outside the vocabulary [0, {vocab})",
                 "pass the ids produced by this model's tokenizer")
-        vals = out[row, ids]
-        out[row, ids] = np.where(vals > 0, vals / penalty, vals * penalty)
+        vals = out[row, ids].astype(np.float64)
+        new = np.where(vals > 0, vals / penalty, vals * penalty)
+        # an extreme penalty (1e-300, 1e300) saturates at float32's range instead of
+        # overflowing to inf (then NaN after the softmax's shift)
+        out[row, ids] = np.where(np.isfinite(vals), np.clip(new, -_F32_MAX, _F32_MAX), vals)
     return out
 
 

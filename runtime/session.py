@@ -19,9 +19,9 @@ Context overflow (``context_policy``):
 
 * ``"error"`` (default): a prompt plus ``max_new_tokens`` that does not fit in
   ``max_length`` raises :class:`GenerationError` naming ``max_length`` before any work.
-* ``"sliding_window"``: when a row's cache is full, the last ``max_length // 2`` tokens
-  are re-prefilled from position 0 (recomputation; rotary positions restart) and
-  generation continues; a prompt longer than ``max_length`` is cut to the same window (its
+* ``"sliding_window"``: when a row's cache is full, its last ``max_length // 2`` tokens
+  are re-prefilled from position 0 (recomputation; rotary positions restart; the other
+  rows of a batch are re-prefilled whole, unchanged) and generation continues; a prompt longer than ``max_length`` is cut to the same window (its
   last ``max_length // 2`` tokens; ``GenerationResult.prompt_tokens`` counts what was
   kept). Never a silent overwrite of the cache.
 """
@@ -125,6 +125,9 @@ class Session:
     def __init__(self, folder, device: str = "cpu", threads: Optional[int] = None,
                  max_length: Optional[int] = None, context_policy: str = "error",
                  huge_pages: bool = True):
+        if not isinstance(folder, (str, os.PathLike)):
+            raise RuntimeLoadError(f"folder must be a path, got {type(folder).__name__}",
+                                   "pass the folder written by `edgeprune export`")
         self.folder = Path(folder)
         for name, v in (("threads", threads), ("max_length", max_length)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
@@ -193,8 +196,17 @@ class Session:
                                   f"use max_length <= {limit} or re-export with a larger "
                                   "--max-length")
         self.max_length = int(max_length or limit)
-        self.vocab_size = int(self.meta.get("vocab_size") or
-                              self.sess.get_outputs()[0].shape[-1])
+        self.export_max_length = limit
+        logits_dim = {o.name: o.shape for o in self.sess.get_outputs()}.get("logits", [None])[-1]
+        self.vocab_size = int(self.meta.get("vocab_size") or logits_dim or 0)
+        if isinstance(logits_dim, int) and self.vocab_size != logits_dim:
+            raise RuntimeLoadError(f"edgeprune.json says vocab_size={self.vocab_size} but the "
+                                   f"graph's logits have {logits_dim}",
+                                   "restore the folder's edgeprune.json, or re-run `edgeprune export`")
+        if self.vocab_size < 1:
+            raise RuntimeLoadError("the vocabulary size is unknown (no vocab_size in "
+                                   "edgeprune.json, no static logits shape)",
+                                   "re-run `edgeprune export`")
         eos = self.meta.get("eos_token_id")
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_token_ids = sorted(set(eos) | set(self.tokenizer.eos_token_ids))
@@ -342,7 +354,7 @@ class Session:
                 out[b, S - n:] = full[b, :n]
             return out
         finally:
-            self._lock.release()
+            self._release()
 
     def _check_token_range(self, lo, hi) -> None:
         """Raises :class:`GenerationError` unless token ids ``lo..hi`` lie in ``[0, vocab)``."""
@@ -395,7 +407,7 @@ class Session:
             raise GenerationError("a stream() on this session is still open in this thread",
                                   "exhaust it or call its .close() first (or use a second session)")
         if self._closed:
-            self._lock.release()
+            self._release()
             raise GenerationError("the session is closed", "load the folder again")
 
     def _run_fused(self, ids, seqlens_k, total, keep, cache: SharedKVCache) -> np.ndarray:
@@ -502,9 +514,11 @@ class Session:
             raise GenerationError(
                 f"prompt ({max(lens)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"context max_length={self.max_length}",
-                "lower max_new_tokens, shorten the prompt, load with a larger max_length, or "
-                "use context_policy='sliding_window' (CLI: --max-length, --context-policy "
-                "sliding_window)")
+                "lower max_new_tokens, shorten the prompt, "
+                + (f"load with a larger max_length (up to the export's {self.export_max_length}), "
+                   if self.max_length < self.export_max_length else
+                   "re-export with a larger `edgeprune export --max-length`, ")
+                + "or use context_policy='sliding_window'")
         return need
 
     def _check_open(self) -> None:
@@ -541,7 +555,7 @@ class Session:
         finally:
             if streaming:
                 self._stream_thread = None
-            self._lock.release()
+            self._release()
 
     def _loop(self, prompts, max_new, sampler, stop, streaming, need=None):
         B = len(prompts)
@@ -687,9 +701,12 @@ class Session:
         return st
 
     def _overflow(self, st, feed) -> Optional[np.ndarray]:
-        """Sliding-window policy: re-prefill the last max_length//2 tokens of each row."""
+        """Sliding-window policy: the rows whose cache is full keep their last
+        max_length//2 tokens, the others all of theirs (so a row's tokens do not depend on
+        its neighbours), and the batch is re-prefilled."""
         keep_n = max(1, self.max_length // 2)
-        rows = [(t + [int(f)])[-keep_n:] for t, f in zip(st["tokens"], feed)]
+        rows = [(t + [int(f)])[-keep_n:] if len(t) + 1 > self.max_length else t + [int(f)]
+                for t, f in zip(st["tokens"], feed)]
         new = self._prefill(rows)
         st.clear()
         st.update(new)
@@ -729,10 +746,20 @@ class Session:
     def close(self) -> None:
         """Release the onnxruntime session and the KV buffers. Calls after it (also a
         stream opened before it, or a call waiting in another thread) raise
-        ``GenerationError``; a decode step already running finishes first."""
-        self._caches.clear()
-        self.sess = None
+        ``GenerationError``; a call running in another thread stops at its next decode
+        step (a prefill already running finishes first) and the resources are released
+        when it lets go of the session."""
         self._closed = True
+        if self._lock.acquire(blocking=False):
+            self._release()
+
+    def _release(self) -> None:
+        """Let go of the session lock; the last holder after :meth:`close` frees the
+        onnxruntime session and the KV buffers (never under a running call)."""
+        if self._closed:
+            self._caches.clear()
+            self.sess = None
+        self._lock.release()
 
     def __enter__(self):
         return self
@@ -761,6 +788,9 @@ def _check_meta(meta: dict) -> None:
     for k in ("quantization", "sparsity", "rope", "leank", "countdown", "kv_layout"):
         if meta.get(k) is not None and not isinstance(meta[k], dict):
             raise ValueError(f"field {k!r} = {meta[k]!r} is not an object")
+    acc = (meta.get("quantization") or {}).get("accuracy_level")
+    if acc is not None and not (whole(acc) and 0 <= acc <= 4):
+        raise ValueError(f"field 'quantization.accuracy_level' = {acc!r} is not 0-4")
 
 
 #: Above this many bytes of kept prefill logits (``B x (longest - shortest + 1) x vocab``
@@ -952,8 +982,8 @@ def load(folder, device: str = "cpu", threads: Optional[int] = None,
             from .leank import LeanKSession as cls
         elif meta.get("countdown"):
             from .countdown import CountdownSession as cls
-    except (OSError, ValueError, AttributeError):
-        pass   # Session reports missing/corrupt metadata with a clear error
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass   # Session reports missing/corrupt metadata / a non-path with a clear error
     return cls(folder, device=device, threads=threads, max_length=max_length,
                context_policy=context_policy, huge_pages=huge_pages)
 

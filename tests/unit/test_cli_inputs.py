@@ -348,6 +348,22 @@ def test_profile_outputs_checked_before_measuring(tmp_path, capsys):
     one_line_error(code, err, "--out", "is a file")
     code, _, err = run_cli(["profile", tmp_path / "nowhere", "--json", tmp_path], capsys)
     one_line_error(code, err, "--json", "is a folder")
+    # paths that cannot take a file: under a file, in /proc (an internal error after the
+    # whole measurement before)
+    for flag, path in (("--json", f / "p.json"), ("--out", f / "sub"), ("--json", "/proc/p.json")):
+        code, _, err = run_cli(["profile", tmp_path / "nowhere", flag, path], capsys)
+        one_line_error(code, err, flag, "cannot be written")
+    code, _, err = run_cli(["devices", "--json", f / "d.json"], capsys)
+    one_line_error(code, err, "--json", "cannot be written")
+    # an output inside the measured export folder would replace its files
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "edgeprune.json").write_text("{}")
+    for flag, path in (("--json", export / "edgeprune.json"), ("--out", export), ("--out", export / "p")):
+        code, _, err = run_cli(["profile", export, flag, path], capsys)
+        one_line_error(code, err, "refusing to write", flag)
+    assert (export / "edgeprune.json").read_text() == "{}" and len(list(export.iterdir())) == 1
+    assert list(tmp_path.glob("**/tmp*")) == []            # the write probe left nothing
 
 
 def test_cli_errors_name_flags_not_python_arguments(tmp_path, capsys):

@@ -64,7 +64,12 @@ def test_profile_from_path_and_validation(tmp_path):
                              ("memory_budget_mb = 6144", 'memory_budget_mb = "measure"', "memory_budget_mb"),
                              ("bandwidth_gbs = 17.1", 'bandwidth_gbs = "fast"', "bandwidth_gbs"),
                              ("threads = 4", "threads = 4\nbandwidth_efficiency = 1.5", "bandwidth_efficiency"),
-                             ("threads = 4", "threads = 4\ncompute_efficiency = 0", "compute_efficiency")):
+                             ("threads = 4", "threads = 4\ncompute_efficiency = 0", "compute_efficiency"),
+                             # misspelt fields used to be dropped for the defaults
+                             ("threads = 4", "threads = 4\nbandwith_gbs = 5", "unknown field.*bandwith_gbs"),
+                             # "measure" outside the host failed only after the measurement
+                             ("bandwidth_gbs = 17.1", 'bandwidth_gbs = "measure"',
+                              "bandwidth_gbs = \"measure\" but class 'mobile'")):
         p.write_text(src.replace(old, new))
         with pytest.raises(DeviceError, match=needle):
             load_profile(p)

@@ -33,9 +33,9 @@ def test_profile_measures_and_projects(tiny_folder, tmp_path):
     r = profile(tiny_folder, "raspberry-pi-5", prompt_len=24, gen_len=16, repeat=2, sweep=[32, 64],
                 out_dir=tmp_path)
     m = r.measured
-    assert m["final_length"] == 40
-    # K and V: 2 layers x 2 kv heads x 16 dims x fp32 per token, each.
-    assert m["kv_bytes"] == {"k": 40 * 2 * 2 * 16 * 4, "v": 40 * 2 * 2 * 16 * 4}
+    assert m["final_length"] == 40 and m["kv_tokens"] == 39
+    # K and V: 2 layers x 2 kv heads x 16 dims x fp32 per cached token, each.
+    assert m["kv_bytes"] == {"k": 39 * 2 * 2 * 16 * 4, "v": 39 * 2 * 2 * 16 * 4}
     assert m["weights_bytes"] == (tiny_folder / "model.onnx").stat().st_size
     assert m["decode_tok_s"]["median"] == pytest.approx(1000.0 / m["decode_step_ms"]["median"])
     assert m["decode_step_ms"]["p90"] >= m["decode_step_ms"]["median"] > 0
@@ -50,16 +50,16 @@ def test_profile_measures_and_projects(tiny_folder, tmp_path):
     assert p["ttft_ms"] == pytest.approx(24 * 1000.0 / p["prefill_tok_s"])
     assert p["peak_memory_bytes"] == m["peak_rss_bytes"] and "host" in p["peak_memory_kind"]
     assert [s["context"] for s in r.sweep] == [32, 64]
-    assert r.sweep[1]["kv_bytes"] == (64 + 16) * 2 * 2 * 2 * 16 * 4
+    assert r.sweep[1]["kv_bytes"] == (64 + 16 - 1) * 2 * 2 * 2 * 16 * 4
     png = tmp_path / "sweep-tiny-raspberry-pi-5.png"
     assert r.plot_path == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = r.to_markdown()
     assert "projected: raspberry-pi-5" in md and "measured (this host" in md and "| 64 |" in md
-    # a tiny cache reads as what it is (10,240 bytes = 0.0098 MiB), not "0.0"
-    assert "(MiB) | 0.0098 / 0.0098 |" in md
+    # a tiny cache reads as what it is (9,984 bytes = 0.0095 MiB), not "0.0"
+    assert "KV cache K / V, 39 cached tokens (MiB) | 0.0095 / 0.0095 |" in md
     data = json.loads(r.to_json(tmp_path / "p.json"))
     assert data == json.loads((tmp_path / "p.json").read_text())
-    assert data["measured"]["kv_bytes"]["k"] == 10240
+    assert data["measured"]["kv_bytes"]["k"] == 9984
 
 
 def test_host_profile_projects_to_every_target(tiny_folder):
@@ -102,6 +102,9 @@ def test_gpu_profile_without_gpu_says_why(tiny_folder):
     assert r.gpu == {"available": False, "reason": reason} and "not available here" in reason
     assert r.projected == {} or "jetson-orin-nano" in r.projected
     assert "NOT available" in r.to_markdown()
+    # --threads holds on the host CPU standing in for the GPU (it became all the cores)
+    r = profile(tiny_folder, "nvidia-h200", prompt_len=8, gen_len=4, repeat=1, isolate=False, threads=1)
+    assert r.settings["threads"] == 1 and r.ran_on.startswith("this host, 1 thread,")
 
 
 def test_bad_inputs(tiny_folder, tmp_path):
@@ -111,6 +114,11 @@ def test_bad_inputs(tiny_folder, tmp_path):
         profile(tmp_path, "cpu-host")
     with pytest.raises(GenerationError, match="max_length=512"):
         profile(tiny_folder, "cpu-host", prompt_len=500, gen_len=100)
+    with pytest.raises(GenerationError, match="513 cached tokens exceed the export's max_length=512"):
+        profile(tiny_folder, "cpu-host", prompt_len=500, gen_len=14)
+    # the last new token is never cached: 500 + 13 fits a 512-token context exactly
+    r = profile(tiny_folder, "cpu-host", prompt_len=500, gen_len=13, repeat=1, isolate=False)
+    assert r.measured["final_length"] == 513 and r.measured["kv_tokens"] == 512
     with pytest.raises(GenerationError, match="repeat"):
         profile(tiny_folder, "cpu-host", repeat=0)
 
@@ -118,6 +126,11 @@ def test_bad_inputs(tiny_folder, tmp_path):
 def test_threads_override(tiny_folder):
     r = profile(tiny_folder, "raspberry-pi-5", prompt_len=8, gen_len=4, repeat=1, isolate=False, threads=1)
     assert r.settings["threads"] == 1 and any("threads set to 1" in n for n in r.notes)
+    # asking for more threads than cores: one note, not "set to" plus "the profile runs"
+    many = (__import__("os").cpu_count() or 1) + 6
+    r = profile(tiny_folder, "raspberry-pi-5", prompt_len=8, gen_len=4, repeat=1, isolate=False, threads=many)
+    assert [n for n in r.notes if "thread" in n] == [
+        f"--threads {many} asks for {many} threads; this host has {many - 6} cores, so {many - 6} were used."]
     assert "1 run, batch 1" in r.to_markdown()
     with pytest.raises(GenerationError, match="threads"):
         profile(tiny_folder, "raspberry-pi-5", threads=0)

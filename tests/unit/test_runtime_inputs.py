@@ -213,6 +213,31 @@ def test_closed_session_and_load_arguments(folder, tmp_path):
     s._lock.release()
     t.join(30)
     assert errs and isinstance(errs[0], GenerationError) and "closed" in str(errs[0])
+    # close() from another thread while a prefill runs: the call ends with the closed
+    # error at its next step, and the session is freed when it lets go (it used to free
+    # it under the running call: AttributeError 'NoneType' ... 'io_binding')
+    s = runtime.load(folder)
+    inside, go = threading.Event(), threading.Event()
+    orig = s._prefill
+
+    def slow_prefill(*a, **k):
+        inside.set()
+        go.wait(30)
+        return orig(*a, **k)
+
+    s._prefill = slow_prefill
+    errs = []
+    t = threading.Thread(target=lambda: errs.append(_error_of(s.generate, "abc", max_new_tokens=4)))
+    t.start()
+    assert inside.wait(30)
+    s.close()
+    assert s.sess is not None                      # not under the running call
+    go.set()
+    t.join(30)
+    assert isinstance(errs[0], GenerationError) and "closed" in str(errs[0]), errs
+    assert s.sess is None and not s._lock.locked()
+    with pytest.raises(RuntimeLoadError, match="folder must be a path"):
+        runtime.load(None)
     for kw in ({"max_length": 0}, {"max_length": -5}, {"threads": 0}, {"threads": 2.5},
                {"threads": True}):
         with pytest.raises(RuntimeLoadError, match="positive integer"):
@@ -226,10 +251,20 @@ def test_closed_session_and_load_arguments(folder, tmp_path):
     # AttributeError at some later call, or max_length 0 silently became 2048)
     good = json.loads((folder / "edgeprune.json").read_text())
     for field, value in (("max_length", "abc"), ("max_length", 0), ("vocab_size", "x"),
-                         ("eos_token_id", "2"), ("quantization", [1])):
+                         ("eos_token_id", "2"), ("quantization", [1]),
+                         ("quantization", {"accuracy_level": "x"}), ("quantization", {"accuracy_level": 9})):
         (bad / "edgeprune.json").write_text(json.dumps(dict(good, **{field: value})))
         with pytest.raises(RuntimeLoadError, match=field):
             runtime.load(bad)
+    # a vocab_size the graph contradicts is refused; without one, the logits' width is
+    # used (it used to be the first output's last dim: present.0.key's head_dim)
+    (bad / "edgeprune.json").write_text(json.dumps(dict(good, vocab_size=good["vocab_size"] - 1)))
+    with pytest.raises(RuntimeLoadError, match="vocab_size=.* logits have"):
+        runtime.load(bad)
+    (bad / "edgeprune.json").write_text(json.dumps({k: v for k, v in good.items() if k != "vocab_size"}))
+    with runtime.load(bad) as s:
+        assert s.vocab_size == good["vocab_size"] != s.kv.key_dims[0]
+        assert s.generate("ab", max_new_tokens=2).token_ids
 
 
 def test_truncated_weight_file_is_named(tmp_path):

@@ -176,6 +176,11 @@ def test_context_overflow_policies(folders):
         cut = s.generate(long_ids, max_new_tokens=8)
         assert cut.prompt_tokens == [16]
         assert cut.token_ids[0] == _torch_greedy(model, np.array([long_ids[-16:]]), 8)
+        # in a batch only the full row is cut: each row gives what it gives alone (the
+        # short rows used to be cut too, when the longest one filled)
+        rows = [rand_ids(28, seed=6)[0].tolist(), [7], [8, 9]]
+        together = s.generate(rows, max_new_tokens=40).token_ids
+        assert together == [s.generate(r, max_new_tokens=40).token_ids[0] for r in rows]
 
 
 def test_bad_inputs(folders, tmp_path):

@@ -27,6 +27,14 @@ def test_repetition_penalty_exact_values():
     logits = np.array([[3.0, 2.0]], np.float32)
     assert Sampler()(logits, [[0]]).tolist() == [0]
     assert Sampler(repetition_penalty=2.0)(logits, [[0]]).tolist() == [1]
+    # extreme penalties saturate at float32's range (they overflowed to inf, then the
+    # sampled distribution was NaN and token 0 came every step); -inf stays -inf
+    logits = np.array([[2.0, -1.0, 0.5, -np.inf]], np.float32)
+    big = np.finfo(np.float32).max
+    np.testing.assert_array_equal(apply_repetition_penalty(logits, [[0, 1, 3]], 1e-300),
+                                  [[big, -0.0, 0.5, -np.inf]])
+    p = Sampler(temperature=1.0, repetition_penalty=1e-300, seed=0).probabilities(logits, [[0, 1]])
+    assert np.isfinite(p).all() and p[0, 0] == pytest.approx(1.0)
 
 
 def test_matches_transformers_logits_processors():
