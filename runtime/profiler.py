@@ -286,8 +286,10 @@ class ProfileReport:
                f"{self.settings['repeat']} run{'s' if self.settings['repeat'] != 1 else ''}, batch 1.", ""] + lines
         if self.gpu is not None:
             why = str(self.gpu["reason"])
-            if why.lower().startswith("not available"):
-                why = why[len("not available"):].lstrip(" :—-")
+            for lead in ("not available here", "not available"):
+                if why.lower().startswith(lead):
+                    why = why[len(lead):].lstrip(" :—-")
+                    break
             out += ["", f"GPU: {'available' if self.gpu['available'] else 'NOT available'} — {why}"]
         if self.sweep:
             out += ["", "Context sweep (measured):", "",
