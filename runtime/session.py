@@ -40,7 +40,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .errors import GenerationError, RuntimeLoadError
-from .hugepages import collapse_resident
+from .hugepages import collapse_resident, resident_stretches
 from .kv_cache import ConcatKVCache, KVSpec, SharedKVCache
 from .sampling import Sampler
 from .tokenizer import Tokenizer
@@ -173,6 +173,10 @@ class Session:
                                    f"the export wrote {want:,})",
                                    "copy the folder again, or re-run `edgeprune export`")
         _small_page_cache(data, self.meta.get("row_read_ranges"))
+        before = set()
+        if huge_pages and self.device == "cpu":
+            _release_free_heap()    # freed heap the load may reuse: not resident, so counted as new
+            before = resident_stretches()
         try:
             self.sess = ort.InferenceSession(str(self.folder / "model.onnx"), so,
                                              providers=_providers(device, sparse))
@@ -185,7 +189,8 @@ class Session:
                                    ) from e
         _release_free_heap()
         _drop_mapped_weight_pages(self.folder)
-        self.huge_page_bytes = collapse_resident() if huge_pages and self.device == "cpu" else 0
+        # only what this load made resident (the pre-packed weights), not the whole process
+        self.huge_page_bytes = collapse_resident(before) if huge_pages and self.device == "cpu" else 0
         names = {i.name for i in self.sess.get_inputs()}
         self.fused = "seqlens_k" in names
         self.kv = KVSpec.from_session(self.sess)
