@@ -72,17 +72,38 @@ def test_fully_resident_memory_is_collapsed_partly_resident_is_not():
     m.close()
 
 
-@needs_collapse
-def test_sessions_collapse_by_default(tmp_path):
-    """The real weights' share is checked on SmolLM2 (integration test_runtime_memory)."""
+def test_sessions_collapse_what_their_load_made_resident(tmp_path, monkeypatch):
+    """A CPU session collapses the stretches its load made resident (those resident
+    before are excluded), huge_pages=False skips it, outputs are the same. How much a
+    real model gets is checked on SmolLM2 (integration test_runtime_memory_smollm2): a
+    tiny model's weights may fit in memory the process already had."""
     import runtime
+    import runtime.session as rs
+
     folder, _, _ = export_tiny_llama(tmp_path / "tiny")
+    calls = []
+    monkeypatch.setattr(rs, "resident_stretches", lambda: {1 << 21, 2 << 21})
+    monkeypatch.setattr(rs, "collapse_resident", lambda exclude=(): calls.append(set(exclude)) or 4 << 20)
     with runtime.load(folder, threads=1, huge_pages=False) as s:
-        assert s.huge_page_bytes == 0
+        assert s.huge_page_bytes == 0 and calls == []
         ref = s.generate([5, 6, 7], max_new_tokens=6).token_ids
     with runtime.load(folder, threads=1) as s:
-        assert s.huge_page_bytes > 0 and s.huge_page_bytes % HP == 0
+        assert s.huge_page_bytes == 4 << 20 and calls == [{1 << 21, 2 << 21}]
         assert s.generate([5, 6, 7], max_new_tokens=6).token_ids == ref
+
+
+@needs_collapse
+def test_exclude_leaves_earlier_memory_alone():
+    n = 6 * HP
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = np.frombuffer(m, np.uint8)
+    buf[:] = 1
+    addr = buf.ctypes.data
+    before = hugepages.resident_stretches()
+    assert hugepages.collapse_resident(before) == 0
+    assert _anon_huge_kib(addr, addr + n) == 0
+    del buf
+    m.close()
 
 
 def test_off_linux_it_does_nothing(monkeypatch):
