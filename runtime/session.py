@@ -21,9 +21,10 @@ Context overflow (``context_policy``):
   ``max_length`` raises :class:`GenerationError` naming ``max_length`` before any work.
 * ``"sliding_window"``: when a row's cache is full, its last ``max_length // 2`` tokens
   are re-prefilled from position 0 (recomputation; rotary positions restart; the other
-  rows of a batch are re-prefilled whole, unchanged) and generation continues; a prompt longer than ``max_length`` is cut to the same window (its
-  last ``max_length // 2`` tokens; ``GenerationResult.prompt_tokens`` counts what was
-  kept). Never a silent overwrite of the cache.
+  rows of a batch are re-prefilled whole, unchanged) and generation continues; a prompt
+  longer than ``max_length`` is cut to the same window (its last ``max_length // 2``
+  tokens; ``GenerationResult.prompt_tokens`` counts what was kept). Never a silent
+  overwrite of the cache.
 """
 
 from __future__ import annotations
@@ -111,10 +112,10 @@ class Session:
         threads: intra-op threads (``None``: onnxruntime's default).
         max_length: KV-cache length in tokens (default and upper bound: the export's).
         context_policy: ``"error"`` | ``"sliding_window"`` (see module docstring).
-        huge_pages: on CPU, back the fully resident weights onnxruntime pre-packed with
-            2 MiB transparent huge pages after the load (Linux 6.1+ ``MADV_COLLAPSE``; see
-            :mod:`runtime.hugepages`: ~10 % faster decode on one core, ~0.2 s of load, no
-            RSS growth). ``huge_page_bytes`` records how much was collapsed.
+        huge_pages: on CPU, back the memory the load made resident (the weights
+            onnxruntime pre-packed) with 2 MiB transparent huge pages (Linux 6.1+
+            ``MADV_COLLAPSE``; see :mod:`runtime.hugepages`: ~10 % faster decode, ~0.3 s
+            of load, no RSS growth). ``huge_page_bytes`` records how much was collapsed.
 
     Raises:
         RuntimeLoadError: missing files, corrupt ``model.onnx`` / metadata, unknown device,
