@@ -7,6 +7,7 @@ Usage: ``python _rss_worker.py FOLDER MODE N`` with MODE
   resident set of this process from ``/proc/self/status`` ``VmHWM``, bytes; KV bytes held
   at the final length; bytes the load collapsed into huge pages; ``AnonHugePages`` of
   ``/proc/self/smaps_rollup`` at the end).
+* ``peak4k``: the same with ``huge_pages=False`` (4 KiB pages only).
 * ``embed``: a prompt of 128 token ids spread evenly over the vocabulary, ``N`` new
   tokens; prints JSON ``{"weights_rss"}``: bytes of the weight file's mappings still
   resident (the embedding rows read through the memory map).
@@ -40,7 +41,9 @@ def main() -> None:
     import runtime
 
     policy = "sliding_window" if mode == "long" else "error"
-    sess = runtime.load(folder, threads=2, context_policy=policy)
+    huge = mode != "peak4k"
+    mode = "peak" if mode == "peak4k" else mode
+    sess = runtime.load(folder, threads=2, context_policy=policy, huge_pages=huge)
     sess.eos_token_ids = []                      # generate exactly n tokens
     prompt = list(range(1000, 1128))             # 128 tokens
     if mode == "embed":
