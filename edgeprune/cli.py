@@ -39,29 +39,32 @@ def _write_json(path: Optional[str], data: Any) -> None:
 
 
 def _check_output(path: Optional[str], flag: str, inputs=(), folder: bool = False) -> None:
-    """Refuse, before any work, an output path (``--json`` file, ``--out`` folder) that is,
-    holds or lies in an input folder, has the wrong kind (a folder for a file, a file for
-    a folder), or whose nearest existing parent cannot take a new file (a file, read-only,
-    ``/proc``): probed with a temporary file that is removed at once.
+    """Refuse, before any work, an output path (``--json`` file, ``--out`` folder the
+    command adds files to) that is or lies in an input folder (or is an input file), has
+    the wrong kind (a folder for a file, a file for a folder), or whose nearest existing
+    parent cannot take a new file (a file, read-only, ``/proc``): probed with an unnamed
+    temporary file. The path is checked as given, as the writers use it (a quoted ``~``
+    is a folder named ``~``, not the home folder).
 
     Raises:
         ConfigError: naming the flag, the path and the fix.
     """
     import tempfile
 
-    from exporters.folder import source_conflict
-
     if not path:
         return
-    p = Path(path).expanduser()
-    why = source_conflict(p, [Path(i) for i in inputs if i and Path(i).expanduser().exists()])
-    if why:
-        raise ConfigError(f"refusing to write {flag} {path}: {why}",
-                          f"write {flag} outside the input folder")
+    p = Path(path).resolve()
+    for src in inputs:
+        if not src or not Path(src).exists():
+            continue          # a model alias, or an input the command reports itself
+        src = Path(src).resolve()
+        if p == src or (src.is_dir() and src in p.parents):
+            raise ConfigError(f"refusing to write {flag} {path}: it is or lies inside the "
+                              f"input {src}", f"write {flag} outside the input folder")
     if folder and p.exists() and not p.is_dir():
         raise ConfigError(f"{flag} {path} is a file, not a folder", f"pass a folder to {flag}")
-    if not folder and p.is_dir():
-        raise ConfigError(f"{flag} {path} is a folder", f"pass a file path, e.g. {flag} out.json")
+    if not folder and (p.is_dir() or str(path).endswith(("/", os.sep))):
+        raise ConfigError(f"{flag} {path} names a folder", f"pass a file path, e.g. {flag} out.json")
     parent = p if folder and p.is_dir() else p.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent

@@ -146,13 +146,14 @@ class CountdownSession(Session):
 
 def load(folder, device: str = "cpu", threads: Optional[int] = None,
          max_length: Optional[int] = None, context_policy: str = "error",
-         countdown: bool = True) -> CountdownSession:
+         countdown: bool = True, huge_pages: bool = True) -> CountdownSession:
     """Load a COUNTDOWN export: ``runtime.countdown.load(folder, threads=2, countdown=True)``.
 
     See :class:`CountdownSession`.
     """
     return CountdownSession(folder, device=device, threads=threads, max_length=max_length,
-                            context_policy=context_policy, countdown=countdown)
+                            context_policy=context_policy, countdown=countdown,
+                            huge_pages=huge_pages)
 
 
 __all__ = ["CountdownSession", "load", "KEPT_OUTPUT"]

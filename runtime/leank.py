@@ -174,6 +174,7 @@ class LeanKSession(Session):
                 "tokens": [list(p) for p in prompts]}
 
     def _decode_step(self, st, feed: np.ndarray) -> np.ndarray:
+        self._check_not_closed_mid_generation()
         over = self._check_context(st, feed)
         if over is not None:
             return over

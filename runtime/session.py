@@ -718,9 +718,13 @@ class Session:
         st.update(new)
         return new["logits"]
 
-    def _decode_step(self, st, feed: np.ndarray) -> np.ndarray:
+    def _check_not_closed_mid_generation(self) -> None:
+        """Every decode step (subclasses' too) stops a generation that close() ended."""
         if self._closed:
             raise GenerationError("the session was closed during generation", "load the folder again")
+
+    def _decode_step(self, st, feed: np.ndarray) -> np.ndarray:
+        self._check_not_closed_mid_generation()
         over = self._check_context(st, feed)
         if over is not None:
             return over
@@ -763,9 +767,19 @@ class Session:
         """Let go of the session lock; the last holder after :meth:`close` frees the
         onnxruntime session and the KV buffers (never under a running call)."""
         if self._closed:
-            self._caches.clear()
-            self.sess = None
+            self._free()
         self._lock.release()
+        # close() may have set the flag after the check above and found the lock held:
+        # look again now that it is free (whoever gets the lock frees; freeing is idempotent)
+        if self._closed and self.sess is not None and self._lock.acquire(blocking=False):
+            try:
+                self._free()
+            finally:
+                self._lock.release()
+
+    def _free(self) -> None:
+        self._caches.clear()
+        self.sess = None
 
     def __enter__(self):
         return self

@@ -347,7 +347,9 @@ def test_profile_outputs_checked_before_measuring(tmp_path, capsys):
     code, _, err = run_cli(["profile", tmp_path / "nowhere", "--out", f], capsys)
     one_line_error(code, err, "--out", "is a file")
     code, _, err = run_cli(["profile", tmp_path / "nowhere", "--json", tmp_path], capsys)
-    one_line_error(code, err, "--json", "is a folder")
+    one_line_error(code, err, "--json", "names a folder")
+    code, _, err = run_cli(["profile", tmp_path / "nowhere", "--json", f"{tmp_path / 'newdir'}/"], capsys)
+    one_line_error(code, err, "--json", "names a folder")      # was written as a file 'newdir'
     # paths that cannot take a file: under a file, in /proc (an internal error after the
     # whole measurement before)
     for flag, path in (("--json", f / "p.json"), ("--out", f / "sub"), ("--json", "/proc/p.json")):
@@ -363,6 +365,9 @@ def test_profile_outputs_checked_before_measuring(tmp_path, capsys):
         code, _, err = run_cli(["profile", export, flag, path], capsys)
         one_line_error(code, err, "refusing to write", flag)
     assert (export / "edgeprune.json").read_text() == "{}" and len(list(export.iterdir())) == 1
+    # a folder that merely holds the export is fine for --out (profile only adds files)
+    code, _, err = run_cli(["profile", export, "--out", tmp_path], capsys)
+    one_line_error(code, err, "no model.onnx")
     assert list(tmp_path.glob("**/tmp*")) == []            # the write probe left nothing
 
 

@@ -92,6 +92,29 @@ def test_sessions_collapse_what_their_load_made_resident(tmp_path, monkeypatch):
         assert s.generate([5, 6, 7], max_new_tokens=6).token_ids == ref
 
 
+def _vm_rss() -> int:
+    return int(next(x for x in open("/proc/self/status") if x.startswith("VmRSS:")).split()[1]) * 1024
+
+
+@needs_collapse
+def test_zero_page_reads_are_not_collapsed():
+    """Pages only read map the shared zero page: resident to mincore, free in RSS.
+    Collapsing them allocated real memory (64 MiB read, 1 page in 64 written: RSS +63
+    MiB)."""
+    n = 16 * HP
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = np.frombuffer(m, np.uint8)
+    assert int(buf.sum()) == 0                 # read everything: zero-page mappings
+    buf[::64 * 4096] = 1                       # write one page in 64
+    addr = buf.ctypes.data
+    rss = _vm_rss()
+    hugepages.collapse_resident()
+    assert _anon_huge_kib(addr, addr + n) == 0
+    assert _vm_rss() - rss < 4 * HP
+    del buf
+    m.close()
+
+
 @needs_collapse
 def test_exclude_leaves_earlier_memory_alone():
     n = 6 * HP

@@ -322,6 +322,13 @@ def test_runtime_generate_and_errors(tiny_llama, tmp_path):
             call()
     it.close()
     assert s.logits(np.array([ids])).shape == (1, len(ids), tiny_llama.config.vocab_size)
+    # close() stops a LeanK stream at its next decode step (it went on to the end)
+    it = s.stream(ids, max_new_tokens=6)
+    next(it)
+    s.close()
+    with pytest.raises(GenerationError, match="closed"):
+        list(it)
+    assert s.sess is None
     bad = LeanKMask.full(3, 2, 16)
     with pytest.raises(ExportError, match="does not match"):
         exporters.export_onnx(tiny_llama, tiny_tokenizer(), tmp_path / "bad", leank=bad)

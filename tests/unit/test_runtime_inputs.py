@@ -236,6 +236,30 @@ def test_closed_session_and_load_arguments(folder, tmp_path):
     t.join(30)
     assert isinstance(errs[0], GenerationError) and "closed" in str(errs[0]), errs
     assert s.sess is None and not s._lock.locked()
+    # close() landing between a holder's last check and its release (the lock still
+    # held, so close() cannot free): the holder looks again once the lock is free
+    s = runtime.load(folder)
+
+    class CloseDuringRelease:
+        def __init__(self):
+            self.inner, self.fired = threading.Lock(), False
+
+        def acquire(self, blocking=True):
+            return self.inner.acquire(blocking)
+
+        def locked(self):
+            return self.inner.locked()
+
+        def release(self):
+            if not self.fired:
+                self.fired = True
+                s.close()                          # finds the lock held: frees nothing
+            self.inner.release()
+
+    s._lock = CloseDuringRelease()
+    s._lock.acquire()
+    s._release()
+    assert s._closed and s.sess is None
     with pytest.raises(RuntimeLoadError, match="folder must be a path"):
         runtime.load(None)
     for kw in ({"max_length": 0}, {"max_length": -5}, {"threads": 0}, {"threads": 2.5},
