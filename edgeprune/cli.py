@@ -346,7 +346,7 @@ def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head
     from . import checkpoint as ckpt
     from .models import load_model
 
-    # numeric options first: a bad one is an error now, not after loading or calibrating
+    # outputs and numeric options first: an error now, not after loading or calibrating
     _check_output(json_path, "--json", [checkpoint])
     exporters.check_export_args(precision or "int4", group_size, accuracy_level, max_length)
     levels = _parse_levels(accuracy_levels)

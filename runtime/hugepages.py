@@ -28,6 +28,7 @@ import sys
 from typing import Iterable
 
 HUGE_PAGE = 2 << 20
+PAGE = 4096
 MADV_COLLAPSE = 25
 
 
@@ -63,7 +64,7 @@ def resident_stretches() -> set[int]:
         ranges = _anonymous_ranges()
     except (OSError, AttributeError, ValueError, IndexError):
         return set()
-    vec = (ctypes.c_ubyte * (HUGE_PAGE // 4096))()
+    vec = (ctypes.c_ubyte * (HUGE_PAGE // PAGE))()
     out = set()
     for lo, hi in ranges:
         a = (lo + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
@@ -119,9 +120,9 @@ def _private_pages(pagemap: int, addr: int) -> bool:
     process alone (``/proc/self/pagemap`` bits 63 and 56). ``mincore`` also calls a page
     that was only read "resident" when it maps the shared zero page, which costs no RSS:
     collapsing it would allocate real memory."""
-    n = HUGE_PAGE // 4096
+    n = HUGE_PAGE // PAGE
     try:
-        raw = os.pread(pagemap, 8 * n, (addr // 4096) * 8)
+        raw = os.pread(pagemap, 8 * n, (addr // PAGE) * 8)
     except OSError:
         return False
     if len(raw) != 8 * n:

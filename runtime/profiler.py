@@ -640,8 +640,8 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
         who = f"--threads {asked} asks for" if asked is not None else f"{prof.name} runs"
         notes.append(f"{who} {threads} threads; this host has {cores} cores, so {cores} were used.")
         threads = cores
-    elif asked is not None and asked != int(prof.threads) and device == "cpu" and \
-            prof.execution_provider != "CUDAExecutionProvider":
+    elif asked is not None and asked != int(prof.threads) and \
+            prof.execution_provider != "CUDAExecutionProvider":      # (GPU profiles: no CPU threads)
         notes.append(f"threads set to {asked} (the profile {prof.name} says {prof.threads}).")
     if sweep is True:
         sweep_list = [c for c in DEFAULT_SWEEP if c + SWEEP_NEW_TOKENS <= export_max]

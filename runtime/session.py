@@ -174,8 +174,9 @@ class Session:
                                    f"the export wrote {want:,})",
                                    "copy the folder again, or re-run `edgeprune export`")
         _small_page_cache(data, self.meta.get("row_read_ranges"))
+        collapse = huge_pages and self.device == "cpu"
         before = set()
-        if huge_pages and self.device == "cpu":
+        if collapse:
             _release_free_heap()    # freed heap the load may reuse: not resident, so counted as new
             before = resident_stretches()
         try:
@@ -191,7 +192,7 @@ class Session:
         _release_free_heap()
         _drop_mapped_weight_pages(self.folder)
         # only what this load made resident (the pre-packed weights), not the whole process
-        self.huge_page_bytes = collapse_resident(before) if huge_pages and self.device == "cpu" else 0
+        self.huge_page_bytes = collapse_resident(before) if collapse else 0
         names = {i.name for i in self.sess.get_inputs()}
         self.fused = "seqlens_k" in names
         self.kv = KVSpec.from_session(self.sess)
