@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 
 from runtime.errors import ExportError
+from runtime.session import GRAPH_MAX_LENGTH_KEY
 
 from .decoder import BUILDERS, BuildOptions, DecoderSpec, accuracy_level_for, name_ends_with
 from .folder import (atomic_folder, check_disk, check_out_dir, row_read_ranges, save_external,
@@ -230,6 +231,9 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
         from .sparse24 import enable_compact
         enable_compact(builder)
     proto = builder.build()
+    # the graph's own record of what its shapes allow (the rotary tables hold max_length
+    # positions): the runtime refuses an edgeprune.json that promises more
+    onnx.helper.set_model_props(proto, {GRAPH_MAX_LENGTH_KEY: str(int(max_length))})
     t_build = time.perf_counter()
     for k in accuracy_levels:           # a typo would otherwise change nothing, silently
         if not any(name_ends_with(n, k) for n in builder.accuracy_names):

@@ -197,7 +197,13 @@ class Session:
         self.fused = "seqlens_k" in names
         self.kv = KVSpec.from_session(self.sess)
         self.output_names = [o.name for o in self.sess.get_outputs()]
-        limit = int(self.meta.get("max_length") or 2048)
+        graph_limit = _graph_max_length(self.sess)
+        limit = int(self.meta.get("max_length") or graph_limit or 2048)
+        if graph_limit is not None and limit > graph_limit:
+            raise RuntimeLoadError(f"edgeprune.json says max_length={limit} but the graph's "
+                                   f"rotary tables hold {graph_limit} positions",
+                                   f"restore the folder's edgeprune.json (max_length {graph_limit}), "
+                                   "or re-export with `--max-length`")
         if max_length is not None and int(max_length) > limit:
             raise GenerationError(f"max_length={max_length} exceeds the export's {limit}",
                                   f"use max_length <= {limit} or re-export with a larger "
@@ -787,6 +793,21 @@ class Session:
 
     def __exit__(self, *exc):
         self.close()
+
+
+#: The ``model.onnx`` metadata key under which the exporter records how many positions its
+#: graph supports (the rows of its rotary tables); ``edgeprune.json`` may not promise more.
+GRAPH_MAX_LENGTH_KEY = "edgeprune.max_length"
+
+
+def _graph_max_length(sess) -> Optional[int]:
+    """The positions the loaded graph supports, from its own metadata
+    (:data:`GRAPH_MAX_LENGTH_KEY`); ``None`` for exports that predate the record."""
+    v = sess.get_modelmeta().custom_metadata_map.get(GRAPH_MAX_LENGTH_KEY)
+    try:
+        return int(v) if v is not None and int(v) >= 1 else None
+    except ValueError:
+        return None
 
 
 def _check_meta(meta: dict) -> None:

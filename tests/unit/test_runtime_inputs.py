@@ -289,6 +289,16 @@ def test_closed_session_and_load_arguments(folder, tmp_path):
     with runtime.load(bad) as s:
         assert s.vocab_size == good["vocab_size"] != s.kv.key_dims[0]
         assert s.generate("ab", max_new_tokens=2).token_ids
+    # a max_length beyond the graph's rotary tables is refused at load (it was a raw
+    # onnxruntime error about cos_cache / a Gather index once a row passed 600 tokens);
+    # without a max_length the graph's own record is the limit (it used to default to 2048)
+    (bad / "edgeprune.json").write_text(json.dumps(dict(good, max_length=1024)))
+    with pytest.raises(RuntimeLoadError, match=r"max_length=1024 .* rotary tables hold 600 "
+                                               r"positions.*restore the folder's edgeprune.json"):
+        runtime.load(bad)
+    (bad / "edgeprune.json").write_text(json.dumps({k: v for k, v in good.items() if k != "max_length"}))
+    with runtime.load(bad) as s:
+        assert s.max_length == s.export_max_length == 600
 
 
 def test_truncated_weight_file_is_named(tmp_path):
