@@ -350,8 +350,12 @@ class Session:
             if not self.fused:
                 pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
                 cache = ConcatKVCache(self.kv, B, self.device)
-                out = self._run_plain(ids, mask, pos, S, cache)
-                return out * mask[..., None]
+                _check_memory(sum(self.kv.bytes(max(S, 1), B).values()) + B * S * self.vocab_size * 4,
+                              f"the KV cache and logits of {B} row(s) x {S} tokens",
+                              "score fewer rows or shorter windows at once")
+                out = np.ascontiguousarray(self._run_plain(ids, mask, pos, S, cache), np.float32)
+                out[mask == 0] = 0.0        # in place: float32, no second [B, S, vocab] array
+                return out
             rows = [ids[b][mask[b] == 1] for b in range(B)]
             packed = np.full((B, S), self.pad_token_id, np.int64)
             for b, r in enumerate(rows):
@@ -360,11 +364,14 @@ class Session:
                           f"the KV cache and logits of {B} row(s) x {S} tokens",
                           "score fewer rows or shorter windows at once")
             cache = SharedKVCache(self.kv, B, max(S, 1), self.device)
-            full = self._run_fused(packed, (lens - 1).astype(np.int32), S, S, cache)
-            out = np.zeros((B, S, full.shape[-1]), np.float32)
-            for b in range(B):
+            out = self._run_fused(packed, (lens - 1).astype(np.int32), S, S, cache)
+            del cache
+            out = np.require(out, np.float32, ["C", "W"])
+            for b in range(B):      # rows right-aligned in place: one row's copy at a time
                 n = int(lens[b])
-                out[b, S - n:] = full[b, :n]
+                if n < S:
+                    out[b, S - n:] = out[b, :n].copy()
+                    out[b, :S - n] = 0.0
             return out
         finally:
             self._release()

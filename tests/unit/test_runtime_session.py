@@ -88,6 +88,16 @@ def test_left_padding_invisible(folders, graph):
         np.testing.assert_allclose(both[0, 21:], s.logits(short[None])[0], atol=1e-5)
         np.testing.assert_allclose(both[1], s.logits(long_[None])[0], atol=1e-5)
         assert not both[0, :21].any()
+        assert both.dtype == np.float32          # the plain graph's used to come back float64
+        # padded rows are aligned in place: no second [B, S, vocab] array (the fused graph's
+        # copy used to double the peak; tracemalloc sees numpy's allocations only)
+        import tracemalloc
+        tracemalloc.start()
+        again = s.logits(ids, mask)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        np.testing.assert_array_equal(again, both)
+        assert peak < 0.75 * both.nbytes, (peak, both.nbytes)
         batch = s.generate([short.tolist(), long_.tolist()], max_new_tokens=20)
         a = s.generate(short.tolist(), max_new_tokens=20)
         b = s.generate(long_.tolist(), max_new_tokens=20)
