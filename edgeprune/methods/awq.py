@@ -227,10 +227,16 @@ class AWQ(Method):
                 continue
             prev = get(prev_path)
             prev_task = by_suffix.get(prev_path)
+            # every reader of prev's output is rescaled, or none: a norm divided by s
+            # would otherwise feed x/s to a reader this stage leaves alone
+            outside = [p for p in layer_paths if p not in by_suffix and get(p) is not None]
             reason = None
             tie = None
             if prev is None:
                 reason = f"no {prev_path} to fold scales into"
+            elif outside:
+                reason = (f"{', '.join(outside)} also read(s) {prev_path} but are not targets of "
+                          "this stage (cannot rescale them)")
             elif isinstance(prev, nn.Linear) and prev_task is None:
                 reason = f"{prev_path} is not a target of this stage (cannot rescale it)"
             elif not isinstance(prev, nn.Linear) and not self._norm_foldable(prev):

@@ -295,6 +295,34 @@ def test_awq_folding_is_exact(request, fixture):
     assert not any(r.notes for r in res.values())
 
 
+@pytest.mark.parametrize("cfg, untouched", [
+    (dict(targets=["q_proj"]), "self_attn.k_proj"),
+    (dict(ignore=["lm_head", "k_proj", "v_proj"]), "self_attn.v_proj"),
+    (dict(targets=["gate_proj"]), "mlp.up_proj"),
+])
+def test_awq_never_scales_part_of_a_norms_readers(tiny_llama, cfg, untouched):
+    """A stage that targets some but not all readers of a norm does not fold a scale into
+    that norm: the readers it leaves alone must see the norm's output unchanged (they
+    used to compute on x / s, silently: 5.6 % on k_proj's output)."""
+    import copy
+    dense = copy.deepcopy(tiny_llama)
+    with torch.no_grad():
+        for blk in tiny_llama.model.layers:  # make the scales far from 1
+            blk.input_layernorm.weight[:5] *= 10
+            blk.post_attention_layernorm.weight[-5:] *= 10
+    dense.load_state_dict(tiny_llama.state_dict())
+    res = compress(tiny_llama, AWQConfig(bits=8, group_size=32, **cfg), _calib(), progress=False)
+    x = torch.randn(2, 7, 64)
+    for i, (a, b) in enumerate(zip(dense.model.layers, tiny_llama.model.layers)):
+        norm = "post_attention_layernorm" if untouched.startswith("mlp") else "input_layernorm"
+        assert torch.equal(a.get_submodule(norm).weight, b.get_submodule(norm).weight)
+        with torch.no_grad():
+            assert torch.equal(a.get_submodule(untouched)(a.get_submodule(norm)(x)),
+                               b.get_submodule(untouched)(b.get_submodule(norm)(x)))
+        assert any("also read(s)" in n and "not targets of this stage" in n
+                   for n in res.fallbacks if f"layers.{i}." in n)
+
+
 def test_awq_nan_inf_scales_replaced_and_reported(tiny_llama):
     s, bad = awq_scales(torch.tensor([1.0, float("nan"), float("inf"), 4.0]), None, 0.5, duo_scaling=False)
     assert bad == 2 and torch.isfinite(s).all() and s[1] == 1 and s[2] == 1
