@@ -356,7 +356,28 @@ def _plan(recipe: Recipe, methods, prefix: str, blocks) -> list[list[tuple[int, 
     if not any_target:
         raise ConfigError("the recipe selects no linear layer of the model's decoder blocks",
                           "check the stages' targets/ignore patterns (e.g. targets = [\"q_proj\"])")
+    _check_patterns_match(recipe, [f"{prefix}.{bi}.{n}" for bi, block in enumerate(blocks)
+                                   for n, m in block.named_modules() if isinstance(m, nn.Linear)])
     return plan
+
+
+def _check_patterns_match(recipe: Recipe, names: list[str]) -> None:
+    """Every ``targets`` pattern of every stage selects a decoder-block linear, and every
+    ``ignore`` pattern one of those or ``lm_head`` (a typo would otherwise silently leave a
+    layer at another precision).
+
+    Raises:
+        ConfigError: naming the stage and the pattern.
+    """
+    from .recipe import pattern_matches
+    for si, cfg in enumerate(recipe.stages):
+        for attr, pool in (("targets", names), ("ignore", names + ["lm_head"])):
+            for p in getattr(cfg, attr) or []:
+                if not any(pattern_matches(p, n) for n in pool):
+                    raise ConfigError(f"stage {si + 1} ({cfg.method}): {attr} pattern {p!r} matches "
+                                      f"no linear layer (names look like {names[0]!r})",
+                                      "correct the pattern (exact name, dotted suffix such as "
+                                      "'v_proj', glob, or 're:' regex) or remove it")
 
 
 def check_recipe(model: nn.Module, recipe) -> Recipe:

@@ -86,6 +86,15 @@ def _check_targets(cfg) -> None:
         if isinstance(v, str) or not all(isinstance(p, str) for p in (v or [])):
             raise ConfigError(f"{attr}={v!r} must be a list of module-name patterns",
                               f'write e.g. {attr} = ["q_proj", "re:.*mlp.*"]')
+        for p in v or []:
+            if p.startswith("re:"):
+                try:
+                    re.compile(p[3:])
+                except re.error as e:
+                    raise ConfigError(f"{cfg.method} stage: {attr} pattern {p!r} is not a valid "
+                                      f"regular expression ({e})",
+                                      "fix the expression after 're:' (Python re syntax), "
+                                      'e.g. "re:self_attn\\.(q|k)_proj$"') from None
 
 
 @dataclass(kw_only=True)
@@ -376,6 +385,11 @@ class Recipe:
         if "stages" not in d and "method" in d:
             d = {"stages": [d]}
         stages = d.get("stages")
+        extra = sorted(set(d) - {"stages", "name"}) if "stages" in d else []
+        if extra:
+            raise ConfigError(f"unknown recipe key(s) {', '.join(map(repr, extra))} (a recipe holds "
+                              "'name' and 'stages')",
+                              "move settings such as targets/ignore into each stage, or remove them")
         if not isinstance(stages, list):
             raise ConfigError("the recipe has no 'stages' list",
                               "write [[stages]] tables (TOML) or a 'stages:' list (YAML)")

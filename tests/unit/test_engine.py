@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from edgeprune.engine import (CompressionResult, _capture_block_inputs, _run_block, _StatsCollector,
-                              compress, find_decoder_blocks)
+                              check_recipe, compress, find_decoder_blocks)
 from edgeprune.errors import CalibrationError, ConfigError
 from edgeprune.methods.wanda import wanda_prune
 from edgeprune.recipe import (AWQConfig, GPTQConfig, MagnitudeConfig, Recipe, RTNConfig, SparseGPTConfig,
@@ -156,8 +156,32 @@ def test_ordering_rules_and_empty_selection(tiny_llama):
         compress(tiny_llama, [RTNConfig(group_size=32), GPTQConfig(group_size=32)], _ids(), progress=False)
     with pytest.raises(ConfigError, match="selects no linear layer"):
         compress(tiny_llama, GPTQConfig(group_size=32, targets=["nothing_here"]), _ids(), progress=False)
+    # one stage's typo, beside stages that do select layers, is named too (it used to leave
+    # v_proj in float, silently); so is an ignore pattern that matches nothing
+    typo = [GPTQConfig(bits=8, group_size=32, targets=["re:self_attn\\.v_prj$"]),
+            GPTQConfig(group_size=32, ignore=["lm_head", "re:self_attn\\.v_proj$"])]
+    with pytest.raises(ConfigError, match=r"stage 1 \(gptq\): targets pattern 're:self_attn\\\\.v_prj\$' "
+                                          r"matches no linear layer \(names look like 'model.layers.0"):
+        compress(tiny_llama, typo, _ids(), progress=False)
+    with pytest.raises(ConfigError, match=r"stage 1 \(rtn\): ignore pattern 'v_prj' matches no"):
+        compress(tiny_llama, RTNConfig(group_size=32, ignore=["lm_head", "v_prj"]), _ids(), progress=False)
     for n, m in _linears(tiny_llama).items():
         assert torch.equal(m.weight, before[n])
+    # the default ignore (lm_head) and patterns that match are fine
+    assert check_recipe(tiny_llama, [RTNConfig(group_size=32, targets=["q_proj", "re:mlp\\..*"],
+                                               ignore=["lm_head", "layers.1.mlp.up_proj"])])
+
+
+def test_recipe_file_structure_errors(tmp_path):
+    """Unknown top-level recipe keys and invalid regexes are refused with the fix (a
+    top-level ``ignore`` was dropped silently; ``re:(q_proj`` was an internal error)."""
+    with pytest.raises(ConfigError, match=r"unknown recipe key\(s\) 'ignore'.*into each stage"):
+        Recipe.from_dict({"stages": [{"method": "rtn"}], "ignore": ["v_proj"]})
+    f = tmp_path / "r.yaml"
+    f.write_text("stages:\n  - method: gptq\n    targets: ['re:(q_proj']\n")
+    with pytest.raises(ConfigError, match=r"gptq stage: targets pattern 're:\(q_proj' is not a valid regular"):
+        Recipe.from_file(f)
+    assert Recipe.from_dict({"name": "x", "stages": [{"method": "rtn"}]}).name == "x"
 
 
 def test_bad_calibration_inputs(tiny_llama):
