@@ -331,11 +331,13 @@ def _load_any(source: str, threads=None):
               help="COUNTDOWN variant: m (threshold |up(x)| times a static channel scale; no predictor) "
                    "or d (predict act(gate(x))*up(x) with a 4-bit copy of gate/up).")
 @click.option("--calib", default=None, help="Calibration text for LeanK/COUNTDOWN (default: embedded text).")
+@click.option("--no-validate", is_flag=True,
+              help="Skip the logits check against the PyTorch model (a failed check writes nothing).")
 @click.option("--overwrite", is_flag=True)
 @click.option("--json", "json_path", default=None)
 def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head, accuracy_level,
                accuracy_levels, group_size, max_length, k_keep, leank_mask, leank_method, leank_sink, leank_window,
-               act_sparsity, countdown_mode, calib, overwrite, json_path):
+               act_sparsity, countdown_mode, calib, no_validate, overwrite, json_path):
     """Export CHECKPOINT (checkpoint, HF folder, .gguf or alias) to an ONNX folder OUT.
 
     With --k-keep the key cache keeps only LeanK's kept channels (LeanK, EMNLP 2025); with
@@ -376,7 +378,8 @@ def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head
     kwargs = dict(precision=precision, quantized=quantized, sparsity=sparsity, sparse_24=sparse_24,
                   compact_24=compact_24, graph=graph, lm_head=lm_head, accuracy_level=accuracy_level,
                   accuracy_levels=levels,
-                  group_size=group_size, max_length=max_length, provenance=prov, overwrite=overwrite)
+                  group_size=group_size, max_length=max_length, provenance=prov, overwrite=overwrite,
+                  validate=not no_validate)
     calib_ids = None
     if act_sparsity is not None:
         from .calibration import build_calibration

@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 import onnx
 
-from runtime.errors import ExportError
+from runtime.errors import ExportError, UnsupportedArchitectureError
 from runtime.session import GRAPH_MAX_LENGTH_KEY
 
 from .decoder import BUILDERS, BuildOptions, DecoderSpec, accuracy_level_for, name_ends_with
@@ -200,7 +200,23 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
                       "~1.5 tok/s on SmolLM2): use accuracy_level=4 or lm_head='fp'",
                       stacklevel=2)
     check_out_dir(out_dir, _source_dirs(model, provenance), overwrite)
+    if tokenizer is None or not hasattr(tokenizer, "save_pretrained"):
+        raise ExportError(f"a tokenizer is required, got {type(tokenizer).__name__} (the runtime "
+                          "reads tokenizer.json from the export folder)",
+                          "pass the model's Hugging Face tokenizer, e.g. "
+                          "AutoTokenizer.from_pretrained(model_folder)")
     spec = DecoderSpec.from_model(model)
+    if spec.exact_positions is not None:
+        limit, why = spec.exact_positions
+        if max_length is not None and max_length > limit:
+            raise UnsupportedArchitectureError(
+                f"max_length={max_length}: {why}, which the exported graph cannot follow",
+                f"export with max_length <= {limit} (--max-length {limit})")
+        if max_length is None and spec.max_position_embeddings > limit:
+            import warnings
+            warnings.warn(f"max_length set to {limit}, not the config's "
+                          f"{min(spec.max_position_embeddings, 8192)}: {why}", stacklevel=2)
+            max_length = limit
     if max_length is None:
         max_length = min(spec.max_position_embeddings, 8192)
     elif max_length > spec.max_position_embeddings:
@@ -285,6 +301,11 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
             "layers": len(ints),
         },
         "lm_head": lm_head,
+        # plain graphs' DequantizeLinear + MatMul pairs become MatMulNBits inside
+        # onnxruntime at the session's level (its default is 4: int8 activations); the
+        # runtime sets this one (a quantized head on float layers recorded none before)
+        "qdq_accuracy_level": accuracy_level if any(n.op_type == "DequantizeLinear"
+                                                    for n in proto.graph.node) else None,
         "weights": "dequantized from the checkpoint's int codes" if dequantized else None,
         "sparsity": sparse_info or (sparsity if sparsity else None),
         "sparse_24_speedup_claimed": False,
@@ -325,6 +346,11 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
 
     parity = {}
     timings = {"build_s": round(t_build - t0, 3)}
+    # fp16 values, or int8 activations in a MatMulNBits node (or in onnxruntime's fusion
+    # of a plain graph's DequantizeLinear + MatMul): logits then differ by rounding noise
+    approximate = precision == "fp16" or compact_24 or any(
+        (n.op_type == "MatMulNBits" and any(a.name == "accuracy_level" and a.i >= 2 for a in n.attribute))
+        for n in proto.graph.node) or (metadata["qdq_accuracy_level"] or 0) >= 2
     with atomic_folder(out_dir, overwrite=overwrite) as tmp:
         ts = time.perf_counter()
         mpath = tmp / "model.onnx"
@@ -340,7 +366,7 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
         write_json(tmp / "edgeprune.json", metadata)
         timings["save_s"] = round(time.perf_counter() - ts, 3)
         if validate:
-            from .validate import check_graph, parity as run_parity
+            from .validate import check_graph, check_parity, parity as run_parity
             tv = time.perf_counter()
             parity.update(check_graph(mpath))
             ptok = min(parity_tokens, int(max_length))
@@ -351,6 +377,8 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
             parity.update(run_parity(model, tmp, seqlen=ptok,
                                      int_weights=builder.int_weights,
                                      tokenizer=tokenizer))
+            if getattr(builder, "logits_match_model", True):
+                check_parity(parity, approximate)
             timings["validate_s"] = round(time.perf_counter() - tv, 3)
             metadata["validation"] = parity
             write_json(tmp / "edgeprune.json", metadata)

@@ -286,6 +286,9 @@ class CountdownMixin:
     def build(self):
         type(self).last_built = self
         self._cd_kept = []
+        # an always-sparse graph filters prefill too: its logits stand for the filtered
+        # model, not the given one, so export validation checks the graph but not them
+        self.logits_match_model = self.countdown_mode != "sparse"
         return super().build()
 
     # ------------------------------------------------------------------ block

@@ -64,6 +64,9 @@ class DecoderSpec:
     inv_freq: np.ndarray = field(repr=False, default=None)
     attention_scaling: float = 1.0
     rope_scaling: Optional[dict] = None
+    #: ``(positions, why)``: the graph (static rotary tables, full attention) equals the
+    #: model only up to that many positions; ``None``: no such limit
+    exact_positions: Optional[tuple] = None
 
     @classmethod
     def from_model(cls, model) -> "DecoderSpec":
@@ -83,6 +86,11 @@ class DecoderSpec:
             raise UnsupportedArchitectureError(f"model of type {type(model).__name__} has no "
                                                "model.layers / model.embed_tokens",
                                                "pass a *ForCausalLM decoder")
+        act = str(getattr(cfg, "hidden_act", "silu"))
+        if act not in ("silu", "swish"):
+            raise UnsupportedArchitectureError(
+                f"hidden_act '{act}' cannot be exported (the graph's MLP is SiLU-gated)",
+                "export a model whose config has hidden_act 'silu' (llama/qwen2 as released)")
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         rot = getattr(inner, "rotary_emb", None)
@@ -95,17 +103,33 @@ class DecoderSpec:
             scaling = 1.0
         rp = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
         theta = float(rp.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)) or 10000.0)
+        mpe = int(getattr(cfg, "max_position_embeddings", 2048))
+        # static tables are exact only while the model's own attention is: rope types whose
+        # frequencies change with the sequence length, and sliding-window layers
+        exact = []
+        rtype = rp.get("rope_type", rp.get("type"))
+        if rtype in ("dynamic", "longrope"):
+            orig = rp.get("original_max_position_embeddings") or \
+                getattr(cfg, "original_max_position_embeddings", None) or mpe
+            exact.append((int(orig), f"rope_type '{rtype}' changes its frequencies past {int(orig)} "
+                                     "positions"))
+        types = getattr(cfg, "layer_types", None) or []
+        window = getattr(cfg, "sliding_window", None)
+        if window and ("sliding_attention" in types or (not types and getattr(cfg, "use_sliding_window", False))):
+            exact.append((int(window), f"sliding-window attention (sliding_window={int(window)}) "
+                                       "differs from full attention past the window"))
         return cls(architecture=arch, num_layers=cfg.num_hidden_layers,
                    hidden_size=cfg.hidden_size, num_heads=heads,
                    num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
                    head_dim=head_dim, intermediate_size=cfg.intermediate_size,
                    vocab_size=cfg.vocab_size, rms_norm_eps=float(cfg.rms_norm_eps),
                    rope_theta=theta,
-                   max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 2048)),
+                   max_position_embeddings=mpe,
                    tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
                    attention_bias=bool(getattr(cfg, "attention_bias", False)) or arch == "qwen2",
                    inv_freq=inv_freq, attention_scaling=scaling,
-                   rope_scaling=dict(rp) if rp else None)
+                   rope_scaling=dict(rp) if rp else None,
+                   exact_positions=min(exact) if exact else None)
 
 
 def name_ends_with(name: str, suffix: str) -> bool:
@@ -421,7 +445,13 @@ class DecoderBuilder:
                                   None if default_zero_points(w) else
                                   g.initializer("lm_head.qzeros", zp))
             return self._gather_quantized(w)
-        emb = self.param("model.embed_tokens.weight").astype(self.fdtype)
+        if tied and self._head_int is not None:
+            # the head is quantized and tied: the embedding reads the same (dequantized)
+            # table, as the model the export stands for does (plain graphs, or a table with
+            # an act-order permutation; it used to be the float table beside a quantized head)
+            emb = np.asarray(self._head_int.dequantize(original_order=True), np.float32).astype(self.fdtype)
+        else:
+            emb = self.param("model.embed_tokens.weight").astype(self.fdtype)
         self._emb_name = g.initializer("model.embed_tokens.weight", emb)
         self._head_tensors = None
         return g.gather(self._emb_name, "input_ids", name="embed_tokens")

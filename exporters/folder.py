@@ -75,8 +75,10 @@ def shown_names(names: list[str], k: int = 4) -> str:
 
 def check_disk(parent: Path, needed_bytes: int) -> None:
     """Raise :class:`ExportError` when ``parent``'s file system lacks ``needed_bytes`` (+10%)."""
-    parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(parent).free
+    here = Path(parent)
+    while not here.exists() and here != here.parent:   # nothing created: a failed export
+        here = here.parent                              # must leave no new folders
+    free = shutil.disk_usage(here).free
     need = int(needed_bytes * 1.1) + (16 << 20)
     if free < need:
         raise ExportError(f"not enough disk space in {parent}: {free / 2**20:.0f} MiB free, "
@@ -126,6 +128,7 @@ def atomic_folder(out_dir: Path, overwrite: bool = False):
     On any exception the temp folder is removed: nothing half-written is left.
     """
     out_dir = Path(out_dir)
+    made = [p for p in [out_dir.parent, *out_dir.parent.parents] if not p.exists()]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -144,6 +147,11 @@ def atomic_folder(out_dir: Path, overwrite: bool = False):
             os.replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for p in made:                 # the parent folders this export created, innermost first
+            try:
+                p.rmdir()
+            except OSError:
+                break
         raise
 
 

@@ -242,7 +242,8 @@ class Session:
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         # Plain int4 graphs: ORT fuses DequantizeLinear+MatMul into MatMulNBits; keep the
         # export's accuracy_level (4 = int8 activations) for that fusion too.
-        acc = (self.meta.get("quantization") or {}).get("accuracy_level")
+        acc = (self.meta.get("quantization") or {}).get("accuracy_level",
+                                                         self.meta.get("qdq_accuracy_level"))
         if acc is not None:
             so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(int(acc)))
         return so
@@ -837,9 +838,10 @@ def _check_meta(meta: dict) -> None:
     for k in ("quantization", "sparsity", "rope", "leank", "countdown", "kv_layout"):
         if meta.get(k) is not None and not isinstance(meta[k], dict):
             raise ValueError(f"field {k!r} = {meta[k]!r} is not an object")
-    acc = (meta.get("quantization") or {}).get("accuracy_level")
-    if acc is not None and not (whole(acc) and 0 <= acc <= 4):
-        raise ValueError(f"field 'quantization.accuracy_level' = {acc!r} is not 0-4")
+    for k, acc in (("quantization.accuracy_level", (meta.get("quantization") or {}).get("accuracy_level")),
+                   ("qdq_accuracy_level", meta.get("qdq_accuracy_level"))):
+        if acc is not None and not (whole(acc) and 0 <= acc <= 4):
+            raise ValueError(f"field {k!r} = {acc!r} is not 0-4")
 
 
 #: Above this many bytes of kept prefill logits (``B x (longest - shortest + 1) x vocab``

@@ -395,6 +395,14 @@ def test_bad_inputs_leave_nothing(tiny_llama, tok, tmp_path, monkeypatch):
         ExportError("boom", "none")))
     with pytest.raises(ExportError, match="boom"):
         exporters.export_onnx(tiny_llama, tok, tmp_path / "failed")
+    # ... and so are the parent folders the export created for it (they were left)
+    with pytest.raises(ExportError, match="boom"):
+        exporters.export_onnx(tiny_llama, tok, tmp_path / "a" / "b" / "failed")
+    monkeypatch.undo()
+    # no tokenizer: refused before any work (it failed at the end, or wrote a folder the
+    # runtime refuses)
+    with pytest.raises(ExportError, match="a tokenizer is required, got NoneType"):
+        exporters.export_onnx(tiny_llama, None, tmp_path / "c" / "notok", validate=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "exists"]
 
 
@@ -404,6 +412,78 @@ def test_unsupported_architecture(tok, tmp_path):
     with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
         exporters.export_onnx(m, tok, tmp_path / "g")
     assert not (tmp_path / "g").exists()
+
+
+def test_configs_the_graph_cannot_follow_are_refused(tok, tmp_path):
+    """Configs whose attention or MLP the graph would silently get wrong (each used to
+    export "successfully": GELU 0.45 off, qwen2 sliding window and dynamic / longrope
+    rope off past the window / original context)."""
+    from transformers import LlamaConfig, Qwen2Config
+    from conftest import _tiny
+    with pytest.raises(UnsupportedArchitectureError, match="hidden_act 'gelu'"):
+        _export(_tiny(LlamaConfig, hidden_act="gelu"), tok, tmp_path / "a")
+    sw = _tiny(Qwen2Config, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    with pytest.raises(UnsupportedArchitectureError, match=r"max_length=64: sliding-window attention "
+                                                            r"\(sliding_window=8\).*--max-length 8"):
+        _export(sw, tok, tmp_path / "b", max_length=64)
+    assert _export(sw, tok, tmp_path / "b", max_length=8).parity["max_abs_logit_diff"] < 1e-4
+    dyn = _tiny(LlamaConfig, max_position_embeddings=32, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(UnsupportedArchitectureError, match="rope_type 'dynamic' changes its frequencies past 32"):
+        _export(dyn, tok, tmp_path / "c", max_length=128)
+    lr = _tiny(LlamaConfig, max_position_embeddings=128, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+        "original_max_position_embeddings": 32})
+    with pytest.warns(UserWarning, match="max_length set to 32.*longrope"):
+        r = exporters.export_onnx(lr, tok, tmp_path / "d")
+    assert r.metadata["max_length"] == 32
+    assert not any((tmp_path / x).exists() for x in "ac")
+
+
+def test_failed_validation_writes_nothing(tok, tmp_path):
+    """Logits that do not match the model fail the export (validation used to record the
+    figures and succeed): here the model computes GELU while its config claims SiLU."""
+    from transformers import LlamaConfig
+    from conftest import _tiny
+    from exporters.validate import check_parity
+    m = _tiny(LlamaConfig, hidden_act="gelu")
+    m.config.hidden_act = "silu"
+    with pytest.raises(ExportError, match=r"validation failed: .* by up to 0\.4\d* \(allowed 0\.00\d* "
+                                          r"for an fp32 graph; top-1 agreement 70\.3% .*--no-validate"):
+        _export(m, tok, tmp_path / "fp32")
+    assert list(tmp_path.iterdir()) == []
+    assert _export(m, tok, tmp_path / "kept", validate=False).parity == {}
+    # approximate graphs (int8 activations, fp16): only gross errors fail. SmolLM2 int4's
+    # own record passes; random logits fail
+    smol = dict(window_tokens=64, max_abs_logit_diff=1.75, mean_abs_logit_diff=0.227,
+                top1_agreement=0.906, reference_abs_max=25.0, reference_spread=2.0)
+    check_parity(smol, approximate=True)
+    with pytest.raises(ExportError, match="top-1 agreement 1.0%"):
+        check_parity(dict(smol, top1_agreement=0.01), approximate=True)
+    with pytest.raises(ExportError, match=r"mean \|logit difference\| 1\.5 \(allowed 1\)"):
+        check_parity(dict(smol, mean_abs_logit_diff=1.5), approximate=True)
+    with pytest.raises(ExportError, match="for an fp32 graph"):
+        check_parity(smol, approximate=False)
+
+
+@pytest.mark.parametrize("lm_head", ["q8", "int4"])
+def test_tied_quantized_head_plain_equals_fused(tok, tmp_path, lm_head):
+    """A tied model with a quantized head: the plain graph embeds from the same quantized
+    table as the fused one (it read the float table: 0.46 off with an int4 head), and a
+    plain graph's head runs at the requested accuracy level (onnxruntime's own default
+    for its DequantizeLinear + MatMul fusion is int8 activations: 1.5e-2 off)."""
+    from transformers import LlamaConfig
+    from conftest import _tiny
+    model = _tiny(LlamaConfig, tie_word_embeddings=True)
+    ids = rand_ids(40, seed=3)
+    out = {}
+    for graph in ("fused", "plain"):
+        r = _export(model, tok, tmp_path / graph, precision="fp32", lm_head=lm_head, graph=graph,
+                    accuracy_level=0)
+        assert r.parity["max_abs_logit_diff"] < 1e-4
+        with runtime.load(tmp_path / graph) as s:
+            out[graph] = s.logits(ids)
+    assert json.loads((tmp_path / "plain" / "edgeprune.json").read_text())["qdq_accuracy_level"] == 0
+    np.testing.assert_allclose(out["plain"], out["fused"], atol=1e-4)
 
 
 def test_overwrite_replaces(tiny_llama, tok, tmp_path):
