@@ -60,8 +60,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -500,69 +498,59 @@ def save_checkpoint(model, tokenizer, result=None, out_dir: str | os.PathLike = 
         "sparse_layers": sparse_records,
     }
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    from exporters.folder import atomic_folder
     try:
-        cfg = model.config.to_dict()
-        for k in ("quantization_config", "edgeprune"):
-            cfg.pop(k, None)
-        if tied_policy == "untied-quantized-head":
-            cfg["tie_word_embeddings"] = False
-            if isinstance(cfg.get("text_config"), dict):
-                cfg["text_config"]["tie_word_embeddings"] = False
-        if format == "compressed-tensors" and quantized:
-            cfg["quantization_config"] = {
-                "quant_method": "compressed-tensors",
-                "format": ("pack-quantized" if all(k[4] == "pack-quantized" for k in groups)
-                           else "mixed-precision"),
-                "quantization_status": "compressed",
-                "version": _ct_version(),
-                "config_groups": {
-                    f"group_{i}": {"targets": sorted(names), "weights": _weights_args(key),
-                                   "input_activations": None, "output_activations": None,
-                                   "format": key[4]}
-                    for i, (key, names) in enumerate(sorted(groups.items()))},
-                "ignore": [],
-                "kv_cache_scheme": None,
-                "global_compression_ratio": None,
-                "sparsity_config": sparsity_config,
-                "transform_config": {},
-            }
-        cfg["edgeprune"] = {k: record[k] for k in ("schema_version", "edgeprune_version", "format",
-                                                   "run_id", "method", "recipe", "calibration",
-                                                   "seed", "tied_embeddings", "avg_bits_per_weight")}
-        if sparsity_config:
-            cfg["edgeprune"]["sparsity"] = sparsity_config
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-        gen = getattr(model, "generation_config", None)
-        if gen is not None:
-            try:
-                gen.save_pretrained(str(tmp))
-            except Exception:  # noqa: BLE001 - a bad generation config never blocks a save
-                pass
-        _write_safetensors(tensors, tmp / WEIGHTS_FILE)
-        if qparams:
-            _write_safetensors(qparams, tmp / QPARAMS_FILE)
-        if mask_tensors:
-            _write_safetensors(mask_tensors, tmp / MASKS_FILE)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        (tmp / CHECKPOINT_JSON).write_text(json.dumps(record, indent=2))
-        from exporters.folder import plain_modes
-        plain_modes(tmp)
-        # swap into place: old folder aside, new one in, old one removed
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / "x")
-        os.rename(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        # temp folder beside `out`, renamed over it at the end; removed (with any parent
+        # folders it made) on any failure or interrupt, Ctrl-C included
+        with atomic_folder(out, overwrite=True) as tmp:
+            cfg = model.config.to_dict()
+            for k in ("quantization_config", "edgeprune"):
+                cfg.pop(k, None)
+            if tied_policy == "untied-quantized-head":
+                cfg["tie_word_embeddings"] = False
+                if isinstance(cfg.get("text_config"), dict):
+                    cfg["text_config"]["tie_word_embeddings"] = False
+            if format == "compressed-tensors" and quantized:
+                cfg["quantization_config"] = {
+                    "quant_method": "compressed-tensors",
+                    "format": ("pack-quantized" if all(k[4] == "pack-quantized" for k in groups)
+                               else "mixed-precision"),
+                    "quantization_status": "compressed",
+                    "version": _ct_version(),
+                    "config_groups": {
+                        f"group_{i}": {"targets": sorted(names), "weights": _weights_args(key),
+                                       "input_activations": None, "output_activations": None,
+                                       "format": key[4]}
+                        for i, (key, names) in enumerate(sorted(groups.items()))},
+                    "ignore": [],
+                    "kv_cache_scheme": None,
+                    "global_compression_ratio": None,
+                    "sparsity_config": sparsity_config,
+                    "transform_config": {},
+                }
+            cfg["edgeprune"] = {k: record[k] for k in ("schema_version", "edgeprune_version", "format",
+                                                       "run_id", "method", "recipe", "calibration",
+                                                       "seed", "tied_embeddings", "avg_bits_per_weight")}
+            if sparsity_config:
+                cfg["edgeprune"]["sparsity"] = sparsity_config
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+            gen = getattr(model, "generation_config", None)
+            if gen is not None:
+                try:
+                    gen.save_pretrained(str(tmp))
+                except Exception:  # noqa: BLE001 - a bad generation config never blocks a save
+                    pass
+            _write_safetensors(tensors, tmp / WEIGHTS_FILE)
+            if qparams:
+                _write_safetensors(qparams, tmp / QPARAMS_FILE)
+            if mask_tensors:
+                _write_safetensors(mask_tensors, tmp / MASKS_FILE)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp))
+            (tmp / CHECKPOINT_JSON).write_text(json.dumps(record, indent=2))
     except CheckpointError:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise
     except Exception as e:  # noqa: BLE001 - re-raised as a CheckpointError with a hint
-        shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"writing the checkpoint to {out} failed: {e}",
                               "check free disk space and permissions; nothing was written") from e
     return out

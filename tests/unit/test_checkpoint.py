@@ -320,6 +320,16 @@ def test_failing_write_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["f"]
     assert (out / "model.safetensors").read_bytes() == before
 
+    # Ctrl-C / SIGTERM (KeyboardInterrupt) mid-write: the temp folder and the parent
+    # folders made for it go too (a hidden .f.tmp-* folder with half the files was left)
+    def interrupt(tensors, path):
+        path.write_bytes(b"partial")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ckpt, "_write_safetensors", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tiny_llama, None, res, tmp_path / "new" / "g", provenance=PROV)
+    assert sorted(os.listdir(tmp_path)) == ["f"]
+
 
 def test_refuses_writing_into_source_folder(tiny_llama, tmp_path):
     src = tmp_path / "src"
