@@ -153,7 +153,7 @@ def cli():
 @click.option("--eval-text", default=None, help="Evaluation text file (default: embedded held-out text).")
 @click.option("--eval-seqlen", type=int, default=512, show_default=True,
               help="Tokens per evaluation window (capped at the model's context).")
-@click.option("--eval-nwindows", type=int, default=40, show_default=True)
+@click.option("--eval-nwindows", type=int, default=40, show_default=True, help="0 = the whole text.")
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--prompt-len", type=int, default=128, show_default=True)
 @click.option("--gen-len", type=int, default=128, show_default=True)
@@ -165,6 +165,7 @@ def run_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, cal
             seed, device, eval_text, eval_seqlen, eval_nwindows, threads, prompt_len, gen_len, repeat,
             out_dir, overwrite, json_path):
     """The main job: compress, evaluate, export, run and report on one model."""
+    _check_output(out_dir, "--out", folder=True)   # writable; input protection follows
     _check_output(json_path, "--json", [model])
     from .pipeline import RunConfig, run_pipeline
 
@@ -197,6 +198,7 @@ def run_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, cal
 def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, calib, nsamples, seqlen,
                  seed, device, out_dir, fmt, overwrite, json_path):
     """Compress MODEL with a method or recipe and save a checkpoint."""
+    _check_output(out_dir, "--out", folder=True)   # writable; input protection follows
     _check_output(json_path, "--json", [model])
     from . import checkpoint as ckpt
     from .calibration import build_calibration
@@ -254,6 +256,8 @@ def eval_cmd(model, text, seqlen, nwindows, dense_ref, threads, json_path):
     _check_output(json_path, "--json", [model] + ([dense_ref] if dense_ref else []))
     from .evaluate import fidelity, perplexity
 
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads {threads} must be >= 1", "pass e.g. --threads 2, or omit it for all")
     if threads:
         import torch
 

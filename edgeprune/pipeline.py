@@ -311,7 +311,17 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
     _check_out(out, fp, overwrite, cfg.model)
     recipe = build_recipe(cfg)
     recipe.validate()
-    torch.set_num_threads(max(1, cfg.threads))
+    # every count of the later stages now, not after minutes of calibration
+    from runtime.profiler import check_profile_args
+    check_profile_args(cfg.prompt_len, cfg.gen_len, cfg.repeat, cfg.threads)
+    if isinstance(cfg.eval_seqlen, bool) or not isinstance(cfg.eval_seqlen, int) or cfg.eval_seqlen < 2:
+        raise ConfigError(f"eval_seqlen={cfg.eval_seqlen!r} must be an integer >= 2",
+                          "pass e.g. --eval-seqlen 512")
+    nwin = cfg.eval_nwindows
+    if nwin is not None and (isinstance(nwin, bool) or not isinstance(nwin, int) or nwin < 0):
+        raise ConfigError(f"eval_nwindows={nwin!r} must be an integer >= 0 (0 = the whole text)",
+                          "pass e.g. --eval-nwindows 40")
+    torch.set_num_threads(cfg.threads)
     t_all = time.perf_counter()
     secs: dict[str, float] = {}
 
@@ -346,7 +356,7 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
 
         t = time.perf_counter()
         log("[3/6] evaluating dense vs compressed (perplexity, KL, top-1 agreement)")
-        fid = fidelity(dense, model, tok, cfg.eval_text, seqlen=eval_seqlen, nwindows=cfg.eval_nwindows)
+        fid = fidelity(dense, model, tok, cfg.eval_text, seqlen=eval_seqlen, nwindows=nwin or None)
         secs["evaluate"] = time.perf_counter() - t
 
         t = time.perf_counter()

@@ -560,6 +560,22 @@ def _worker_main(argv: list[str]) -> int:
 # the public entry point
 # ------------------------------------------------------------------------------------------
 
+def check_profile_args(prompt_len, gen_len, repeat, threads=None) -> None:
+    """The counts :func:`profile` takes: ``prompt_len >= 1``, ``gen_len >= 2`` (a decode
+    speed needs two new tokens), ``repeat >= 1``, ``threads >= 1`` (or ``None``), all
+    integers. Cheap: callers run it before minutes of other work.
+
+    Raises:
+        GenerationError: naming the count and a value to pass.
+    """
+    counts = [("prompt_len", prompt_len, 1), ("gen_len", gen_len, 2), ("repeat", repeat, 1)]
+    for name, v, lo in counts + ([("threads", threads, 1)] if threads is not None else []):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+            raise GenerationError(f"{name} must be an integer >= {lo}, got {v!r}"
+                                  + (" (decode speed needs at least two new tokens)" if lo == 2 else ""),
+                                  f"pass e.g. --{name.replace('_', '-')} {({'repeat': 5, 'threads': 2}).get(name, 128)}")
+
+
 def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", prompt_len: int = 128,
             gen_len: int = 128, repeat: int = 5, sweep: Union[None, bool, Sequence[int]] = None,
             targets: Optional[Sequence[str]] = None, out_dir: Union[str, Path, None] = None,
@@ -603,12 +619,7 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
     folder = Path(folder)
     if not (folder / "model.onnx").is_file():
         raise RuntimeLoadError(f"{folder} has no model.onnx", "pass the folder written by `edgeprune export`")
-    counts = [("prompt_len", prompt_len, 1), ("gen_len", gen_len, 2), ("repeat", repeat, 1)]
-    for name, v, lo in counts + ([("threads", threads, 1)] if threads is not None else []):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-            raise GenerationError(f"{name} must be an integer >= {lo}, got {v!r}"
-                                  + (" (decode speed needs at least two new tokens)" if lo == 2 else ""),
-                                  f"pass e.g. --{name.replace('_', '-')} {({'repeat': 5, 'threads': 2}).get(name, 128)}")
+    check_profile_args(prompt_len, gen_len, repeat, threads)
     if sweep not in (None, True, False) and (
             not isinstance(sweep, (list, tuple)) or not all(
                 isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in sweep)):

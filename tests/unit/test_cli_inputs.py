@@ -121,6 +121,33 @@ def test_compress_refuses_its_source_folder_before_calibrating(model_dir, capsys
     one_line_error(code, err, "input model folder")
 
 
+def test_unwritable_out_and_bad_counts_fail_before_any_work(model_dir, tmp_path, capsys, monkeypatch):
+    """compress / run: an --out that cannot be written, and run's counts for its later
+    stages, are one-line errors before the model is even loaded (they were an internal
+    error after compressing, or an error at stage 3 or 6 of 6)."""
+    import edgeprune.models as models
+
+    def boom(*a, **k):
+        raise AssertionError("loaded the model before checking the options")
+
+    monkeypatch.setattr(models, "load_model", boom)
+    for cmd in (["compress", model_dir], ["run", "--model", model_dir]):
+        code, _, err = run_cli([*cmd, "--method", "rtn", *CAL, "--out", "/proc/nope/ck"], capsys)
+        one_line_error(code, err, "--out /proc/nope/ck cannot be written", "writable folder")
+    for argv, needle in ((["--prompt-len", "0"], "prompt_len must be an integer >= 1"),
+                         (["--gen-len", "1"], "gen_len must be an integer >= 2"),
+                         (["--repeat", "0"], "repeat must be"), (["--threads", "0"], "--threads 2"),
+                         (["--eval-seqlen", "1"], "--eval-seqlen 512"),
+                         (["--eval-nwindows", "-1"], "--eval-nwindows 40")):
+        code, _, err = run_cli(["run", "--model", model_dir, "--method", "rtn", *CAL, *argv,
+                                "--out", tmp_path / "r"], capsys)
+        one_line_error(code, err, needle)
+    assert not (tmp_path / "r").exists()
+    for bad in ("0", "-1"):
+        code, _, err = run_cli(["eval", model_dir, "--threads", bad], capsys)
+        one_line_error(code, err, f"--threads {bad} must be >= 1")
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--recipe", "best-w4", "--bits", "8"], "--bits"),
     (["--recipe", "best-w4", "--method", "gptq"], "--method"),
