@@ -417,11 +417,13 @@ def save_checkpoint(model, tokenizer, result=None, out_dir: str | os.PathLike = 
     layer_records: dict[str, dict] = {}
     groups: dict[tuple, list[str]] = {}
     for name, qw in quantized.items():
+        stored = sd[f"{name}.weight"].dtype
         w = sd[f"{name}.weight"].detach().float().cpu()
         if tuple(w.shape) != tuple(qw.shape):
             raise CheckpointError(f"{name}: weight shape {tuple(w.shape)} != codes shape {qw.shape}",
                                   "save the model that produced this CompressionResult")
-        w_hat = qw.dequantize()
+        # a half-precision model holds the dequantized weight rounded to its dtype
+        w_hat = qw.dequantize().to(stored).float()
         tol = 1e-5 * float(w_hat.abs().max()) + 1e-7
         if not torch.allclose(w, w_hat, rtol=1e-5, atol=tol):
             raise CheckpointError(
@@ -706,9 +708,12 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
             qw = QuantizedWeight(codes=codes, scales=scales, zeros=zeros, bits=bits,
                                  group_size=int(lr["group_size"]), sym=bool(lr["sym"]),
                                  g_idx=None if g_idx is None else g_idx.to(torch.int32))
-            if not torch.equal(qw.dequantize(), w):
+            stored = tensors[f"{name}.weight"].dtype    # half precision: stored rounded
+            if not torch.equal(qw.dequantize().to(stored).float(), w):
                 raise CheckpointError(f"{name}: stored dense weights do not match their codes",
-                                      "the dense checkpoint was edited; save it again")
+                                      "the dense checkpoint was edited, or its half-precision "
+                                      "weights cannot pin down the codes; save it again with "
+                                      "format='compressed-tensors'")
             quantized[name] = qw
 
     state.update(tensors)

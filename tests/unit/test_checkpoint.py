@@ -376,3 +376,25 @@ def test_uncompressed_model_with_tokenizer(tiny_llama, tmp_path):
     assert info.quantized == {} and info.avg_bits_per_weight is None
     assert tok2 is not None and tok2("a b")["input_ids"] == tok("a b")["input_ids"]
     assert torch.equal(_logits(model, IDS), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "dense"])
+def test_half_precision_model_saves_and_reloads_exactly(tiny_llama, tmp_path, dtype, fmt):
+    """A bf16/fp16 model holds its dequantized weights rounded to its dtype: that is what
+    was compressed, not an edit (the save refused it as 'modified after compression'),
+    and the reload in that dtype gives back the same weights and logits."""
+    from edgeprune.engine import compress
+    from edgeprune.recipe import RTNConfig
+    model = tiny_llama.to(dtype)
+    g = torch.Generator().manual_seed(0)
+    res = compress(model, RTNConfig(bits=4, group_size=32), torch.randint(0, 256, (4, 32), generator=g),
+                   progress=False)
+    out = save_checkpoint(model, None, res, tmp_path / "ck", format=fmt, provenance=PROV)
+    back, _, info = load_checkpoint(out, dtype=dtype)
+    assert sorted(info.quantized) == sorted(res.quantized)
+    for (k, a), b in zip(model.state_dict().items(), back.state_dict().values()):
+        assert a.dtype == b.dtype == dtype and torch.equal(a, b), k
+    ids = torch.randint(0, 256, (1, 16), generator=g)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, back(ids).logits)
