@@ -306,8 +306,11 @@ def check_out_dir(out: Path, sources: list[Path], overwrite: bool, run_id: str =
             except (OSError, ValueError, AttributeError):
                 same = False
             if not same:
-                raise CheckpointError(f"{out} is not empty and holds a different run",
-                                      "pass overwrite=True (CLI: --overwrite) or choose another folder")
+                # run_id "": the caller checks before the run exists (CLI, ahead of calibrating)
+                raise CheckpointError(f"{out} already holds a checkpoint" if not run_id else
+                                      f"{out} is not empty and holds a different run",
+                                      "pass overwrite=True (CLI: --overwrite) to replace it, or "
+                                      "choose another folder")
 
 
 def _group_key(qw: QuantizedWeight, asym_layout: str = "pack-quantized") -> tuple:

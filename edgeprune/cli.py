@@ -24,9 +24,11 @@ METHODS = ["magnitude", "wanda", "sparsegpt", "rtn", "gptq", "awq"]
 def _console():
     from rich.console import Console
 
-    con = Console(stderr=False, highlight=False)
+    # markup off: paths, model names and protocol labels such as "[heldout]" print as they
+    # are (rich read them as style tags, dropped them, or raised MarkupError on "[/x]")
+    con = Console(stderr=False, highlight=False, markup=False)
     if not con.is_terminal:        # piped / redirected: no 80-column wrapping of tables
-        con = Console(stderr=False, highlight=False, width=200)
+        con = Console(stderr=False, highlight=False, markup=False, width=200)
     return con
 
 
@@ -181,7 +183,7 @@ def run_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, cal
     con.print(_table(f"{model}: dense vs compressed ({rep.compression.get('recipe', {}).get('name', '')})",
                      ["metric", "dense", "compressed"], rows))
     for k, s in rep.samples.items():
-        con.print(f"[bold]{k} sample:[/bold] {s}")
+        con.print(f"{k} sample:", s, style=None)
     con.print(f"report: {Path(rep.out_dir) / 'report.md'} and report.json "
               f"(total {rep.seconds.get('total', 0):.0f} s)")
     _write_json(json_path, rep.to_dict())

@@ -403,3 +403,30 @@ def test_cli_errors_name_flags_not_python_arguments(tmp_path, capsys):
     code, _, err = run_cli(["generate", tmp_path, "hi", "--threads", "0"], capsys)
     one_line_error(code, err, "--threads 2")
     assert "threads=" not in err
+
+
+def test_console_prints_brackets_as_they_are(model_dir, tmp_path, capsys):
+    """Paths and protocol labels with square brackets print verbatim (rich read them as
+    markup: '[v2]' and '[heldout]' vanished, and '[/x]' in a path crashed a finished
+    compress with MarkupError, exit 1)."""
+    import shutil
+    odd = tmp_path / "m[v2]"
+    shutil.copytree(model_dir, odd)
+    code, out, err = run_cli(["eval", odd, "--seqlen", "32", "--nwindows", "1", "--threads", "1"], capsys)
+    assert code == 0, err
+    assert "m[v2]" in out and "[heldout]" in out
+    (tmp_path / "a[").mkdir()
+    code, out, err = run_cli(["compress", odd, "--method", "rtn", "--group-size", "32", *CAL,
+                              "--out", tmp_path / "a[" / "x]"], capsys)
+    assert code == 0, err
+    assert "a[/x]" in out
+
+
+def test_compress_into_an_earlier_checkpoint_names_it(model_dir, tmp_path, capsys):
+    """A second compress into the same folder needs --overwrite; the message says the
+    folder holds a checkpoint (it said 'a different run' even for the identical command)."""
+    argv = ["compress", model_dir, "--method", "rtn", "--group-size", "32", *CAL, "--out", tmp_path / "ck"]
+    assert run_cli(argv, capsys)[0] == 0
+    code, _, err = run_cli(argv, capsys)
+    one_line_error(code, err, "already holds a checkpoint", "--overwrite")
+    assert run_cli(argv + ["--overwrite"], capsys)[0] == 0
