@@ -172,6 +172,12 @@ def _load_gguf(path: Path, dtype, use_cache: bool = True):
 def _load_folder(path: Path, dtype, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    tok_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((path / f).is_file() for f in tok_files):
+        raise ModelLoadError(f"the model folder {path} has no tokenizer (none of "
+                             f"{', '.join(tok_files)})",
+                             "copy the model's tokenizer files into the folder (e.g. "
+                             "AutoTokenizer.from_pretrained(<original>).save_pretrained(folder))")
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
                                                      trust_remote_code=trust_remote_code)

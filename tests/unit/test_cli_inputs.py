@@ -430,3 +430,17 @@ def test_compress_into_an_earlier_checkpoint_names_it(model_dir, tmp_path, capsy
     code, _, err = run_cli(argv, capsys)
     one_line_error(code, err, "already holds a checkpoint", "--overwrite")
     assert run_cli(argv + ["--overwrite"], capsys)[0] == 0
+
+
+def test_model_folder_without_tokenizer_is_named(model_dir, tmp_path, capsys):
+    """An HF folder with weights but no tokenizer: the error names the missing tokenizer
+    (it was transformers' multi-line text about installing sentencepiece or tiktoken)."""
+    import shutil
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(model_dir / f, bare / f)
+    for argv in (["export", bare, tmp_path / "onnx"], ["eval", bare, "--seqlen", "32", "--nwindows", "1"]):
+        code, _, err = run_cli(argv, capsys)
+        one_line_error(code, err, f"{bare} has no tokenizer", "tokenizer.json", "save_pretrained")
+    assert not (tmp_path / "onnx").exists()
