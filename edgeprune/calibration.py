@@ -94,14 +94,15 @@ def default_text(part: str = "heldout") -> str:
 
 
 def read_text_file(path: str | Path) -> str:
-    """Read a text file as UTF-8 with universal newlines (CRLF becomes LF).
+    """Read a text file as UTF-8 with universal newlines (CRLF becomes LF), without a
+    leading byte-order mark.
 
     Raises:
         CalibrationError: missing or undecodable file.
     """
     p = Path(path)
     try:
-        with open(p, encoding="utf-8") as f:
+        with open(p, encoding="utf-8-sig") as f:      # a leading byte-order mark is not text
             return f.read()
     except FileNotFoundError:
         raise CalibrationError(f"text file {p} does not exist", "check the path") from None
@@ -134,14 +135,21 @@ def load_documents(source: str | Path | None = None, *, part: str = "calibration
                                "pass a text/JSONL/Parquet file, 'hf:NAME' (online) or omit it for the default")
     if p.suffix.lower() == ".jsonl":
         docs = []
-        for i, line in enumerate(read_text_file(p).splitlines()):
+        # records end at "\n" only: JSON strings may hold U+2028, U+2029 or U+0085 raw,
+        # which str.splitlines() would also split on
+        for i, line in enumerate(read_text_file(p).split("\n")):
             if not line.strip():
                 continue
             try:
-                docs.append(json.loads(line)["text"])
+                doc = json.loads(line)["text"]
             except (ValueError, KeyError, TypeError):
                 raise CalibrationError(f"{p}:{i + 1} is not a JSON object with a 'text' field",
                                        "write one {\"text\": ...} object per line") from None
+            if doc is not None and not isinstance(doc, str):
+                raise CalibrationError(f"{p}:{i + 1}: 'text' is a {type(doc).__name__}, not a string",
+                                       "write the document's text as a JSON string")
+            if doc:                 # null / empty documents are skipped, as in Parquet
+                docs.append(doc)
         return docs, str(p)
     if p.suffix.lower() == ".parquet":
         import pyarrow.parquet as pq
@@ -151,7 +159,12 @@ def load_documents(source: str | Path | None = None, *, part: str = "calibration
         except Exception as exc:  # pyarrow raises several types
             raise CalibrationError(f"could not read column 'text' from {p} ({exc})",
                                    "use a Parquet file with a string column named 'text'") from None
-        return [t for t in table.column("text").to_pylist() if t], str(p)
+        col = table.column("text")
+        import pyarrow as pa
+        if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+            raise CalibrationError(f"column 'text' of {p} holds {col.type}, not strings",
+                                   "use a Parquet file with a string column named 'text'")
+        return [t for t in col.to_pylist() if t], str(p)
     return [read_text_file(p)], str(p)
 
 

@@ -9,6 +9,7 @@ half-written is left behind.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -37,7 +38,19 @@ def _write_json(path: Optional[str], data: Any) -> None:
     from runtime.profiler import _atomic_write
 
     if path:
-        _atomic_write(Path(path), json.dumps(data, indent=2, default=str).encode())
+        _atomic_write(Path(path), json.dumps(_finite(data), indent=2, default=str).encode())
+
+
+def _finite(x):
+    """``x`` with non-finite floats as the strings ``"inf"``, ``"-inf"``, ``"nan"`` (strict
+    JSON has no NaN / Infinity; json.dumps would write them anyway)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _check_output(path: Optional[str], flag: str, inputs=(), folder: bool = False) -> None:
@@ -301,6 +314,11 @@ def _load_any(source: str, threads=None):
         def fn(ids):
             return sess.logits(np.asarray(ids, dtype=np.int64))
 
+        # the trained context, for evaluation's check (exports record it since this field)
+        ctx = json.loads((p / "edgeprune.json").read_text()).get("max_position_embeddings")
+        if isinstance(ctx, int):
+            from types import SimpleNamespace
+            fn.config = SimpleNamespace(max_position_embeddings=ctx)
         return fn, tok
     from .models import load_model
 

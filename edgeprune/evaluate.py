@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .calibration import default_text, read_text_file
-from .errors import CalibrationError, ConfigError
+from .errors import CalibrationError, ConfigError, EvaluationError
 
 
 @dataclass
@@ -120,7 +120,7 @@ def resolve_text(text: str | Path | None) -> tuple[str, str]:
             raise CalibrationError(f"evaluation text file {p} does not exist", "check the path")
         if p.suffix.lower() in (".jsonl", ".parquet"):
             from .calibration import load_documents
-            return "\n\n".join(load_documents(p)[0]), str(p)
+            return "\n\n".join(load_documents(p)[0]), str(p)   # no empty documents
         return read_text_file(p), str(p)
     t = str(text)
     if len(t) < 512 and "\n" not in t and (
@@ -132,8 +132,16 @@ def resolve_text(text: str | Path | None) -> tuple[str, str]:
 
 
 def _tokenizer_name(tokenizer) -> str:
+    """``"NAME (vocab N, sha256 XXXX)"``: the hash of the tokenizer's own definition, so one
+    tokenizer reads the same from a model folder and from its export folder (the names
+    differ: a path, or a class name)."""
     name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-    return f"{name} (vocab {len(tokenizer)})" if hasattr(tokenizer, "__len__") else str(name)
+    digest = ""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        import hashlib
+        digest = ", sha256 " + hashlib.sha256(backend.to_str().encode()).hexdigest()[:12]
+    return f"{name} (vocab {len(tokenizer)}{digest})" if hasattr(tokenizer, "__len__") else str(name)
 
 
 def eval_windows(tokenizer, text: str | Path | None = None, *, seqlen: int = 512,
@@ -224,7 +232,7 @@ def perplexity(model, tokenizer, text: str | Path | None = None, *, seqlen: int 
         logits = _as_tensor(fn(w[None]))[0, :-1]
         total += F.cross_entropy(logits, w[1:], reduction="sum").item()
     nll = total / proto.ntokens_scored
-    return PerplexityResult(ppl=math.exp(nll), nll=nll, protocol=proto)
+    return PerplexityResult(ppl=_exp_nll(nll), nll=nll, protocol=proto)
 
 
 @torch.no_grad()
@@ -250,13 +258,27 @@ def fidelity(dense, model, tokenizer, text: str | Path | None = None, *, seqlen:
     for w in tqdm(windows, desc="fidelity", unit="win", disable=not progress, leave=False):
         ld = F.log_softmax(_as_tensor(f_dense(w[None]))[0, :-1], -1)
         lm = F.log_softmax(_as_tensor(f_model(w[None]))[0, :-1], -1)
-        kl += (ld.exp() * (ld - lm)).sum().item()
+        # 0 log 0 = 0: a token both models rule out (-inf) adds nothing (it was NaN)
+        kl += torch.where(ld > -math.inf, ld.exp() * (ld - lm), 0.0).sum().item()
         agree += (ld.argmax(-1) == lm.argmax(-1)).sum().item()
         nll_d += F.nll_loss(ld, w[1:], reduction="sum").item()
         nll_m += F.nll_loss(lm, w[1:], reduction="sum").item()
     n = proto.ntokens_scored
-    return FidelityResult(kl=kl / n, top1_agree=agree / n, ppl_dense=math.exp(nll_d / n),
-                          ppl=math.exp(nll_m / n), protocol=proto)
+    # KL >= 0: a float32 sum over identical models can land a hair below zero
+    return FidelityResult(kl=max(kl / n, 0.0), top1_agree=agree / n, ppl_dense=_exp_nll(nll_d / n),
+                          ppl=_exp_nll(nll_m / n), protocol=proto)
+
+
+def _exp_nll(nll: float) -> float:
+    """``exp(nll)``: ``inf`` past float range (no OverflowError losing the other figures).
+
+    Raises:
+        EvaluationError: ``nll`` is NaN (the model's logits hold NaN).
+    """
+    if math.isnan(nll):
+        raise EvaluationError("the model's logits hold NaN: its perplexity is undefined",
+                              "check the model (a failed compression or export); re-run it")
+    return math.exp(nll) if nll < 709.0 else math.inf
 
 
 __all__ = ["Protocol", "PerplexityResult", "FidelityResult", "perplexity", "fidelity",

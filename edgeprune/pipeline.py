@@ -261,10 +261,13 @@ class RunReport:
 
 
 def format_value(v) -> str:
-    """A table cell: '—' for missing, 4 decimals below 10, one decimal above."""
+    """A table cell: '—' for missing, 3 significant digits below 0.001 (a KL of 2e-5
+    read 0.0000), 4 decimals below 10, one decimal above."""
     if v is None:
         return "—"
     if isinstance(v, float):
+        if v != 0 and abs(v) < 1e-3:
+            return f"{v:.3g}"
         return f"{v:,.4f}" if abs(v) < 10 else f"{v:,.1f}"
     return str(v)
 

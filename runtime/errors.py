@@ -47,6 +47,10 @@ class CalibrationError(EdgePruneError):
     """Calibration or evaluation text is missing, unreadable or too short."""
 
 
+class EvaluationError(EdgePruneError):
+    """A model's outputs cannot be scored (non-finite logits)."""
+
+
 class CompressionError(EdgePruneError):
     """A compression method could not run on a layer (and no fallback applied)."""
 
@@ -73,6 +77,7 @@ class DeviceError(EdgePruneError):
 
 __all__ = [
     "EdgePruneError",
+    "EvaluationError",
     "ConfigError",
     "ModelLoadError",
     "UnsupportedArchitectureError",

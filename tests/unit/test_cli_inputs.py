@@ -444,3 +444,36 @@ def test_model_folder_without_tokenizer_is_named(model_dir, tmp_path, capsys):
         code, _, err = run_cli(argv, capsys)
         one_line_error(code, err, f"{bare} has no tokenizer", "tokenizer.json", "save_pretrained")
     assert not (tmp_path / "onnx").exists()
+
+
+def test_eval_of_an_export_keeps_the_models_context_and_tokenizer_identity(model_dir, tmp_path, capsys):
+    """An export's trained context is checked like the torch model's (an export with a
+    longer max_length scored untrained positions), and the protocol names the same
+    tokenizer (content hash) for the model folder and its export."""
+    import warnings
+    code, _, err = run_cli(["eval", model_dir, "--seqlen", "600"], capsys)
+    one_line_error(code, err, "max_position_embeddings=512")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code, _, err = run_cli(["export", model_dir, tmp_path / "onnx", "--max-length", "1024"], capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["eval", tmp_path / "onnx", "--seqlen", "600"], capsys)
+    one_line_error(code, err, "max_position_embeddings=512", "--seqlen 512")
+    protos = []
+    for src in (model_dir, tmp_path / "onnx"):
+        j = tmp_path / "e.json"
+        code, out, err = run_cli(["eval", src, "--seqlen", "32", "--nwindows", "2", "--json", j], capsys)
+        assert code == 0, err
+        protos.append(json.loads(j.read_text())["protocol"]["tokenizer"])
+    digests = [p.split("sha256 ")[1].rstrip(")") for p in protos]
+    assert digests[0] == digests[1] and len(digests[0]) == 12
+
+
+def test_table_cells_and_json_of_tiny_or_infinite_figures():
+    """A KL of 2e-5 prints as such (it read 0.0000); inf / NaN are strict-JSON strings."""
+    from edgeprune.cli import _finite
+    from edgeprune.pipeline import format_value
+    assert format_value(2.3e-5) == "2.3e-05" and format_value(0.0) == "0.0000"
+    assert format_value(3.14159) == "3.1416" and format_value(31.94) == "31.9"
+    assert json.loads(json.dumps(_finite({"ppl": float("inf"), "x": [float("nan"), 1.0]}))) == \
+        {"ppl": "inf", "x": ["nan", 1.0]}

@@ -72,6 +72,63 @@ def test_jsonl_and_bad_jsonl(tmp_path):
         load_documents(bad)
 
 
+def test_document_files_edge_cases(tmp_path):
+    """JSONL records end at "\\n" only (U+2028 / U+2029 / U+0085 are legal raw in JSON
+    strings and split the file before); a byte-order mark is not text; a non-string
+    'text' is named; null or empty documents are skipped in JSONL as in Parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from edgeprune.evaluate import resolve_text
+    seps = tmp_path / "seps.jsonl"
+    docs = [f"one{c}two" for c in ("\u2028", "\u2029", "\u0085")]
+    seps.write_text("\n".join(json.dumps({"text": d}, ensure_ascii=False) for d in docs), encoding="utf-8")
+    assert load_documents(seps)[0] == docs
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes("\ufeffhello".encode("utf-8"))
+    assert load_documents(bom)[0] == ["hello"]
+    (tmp_path / "bom.jsonl").write_bytes(("\ufeff" + json.dumps({"text": "hi"})).encode("utf-8"))
+    assert load_documents(tmp_path / "bom.jsonl")[0] == ["hi"]
+    for bad, kind in (({"text": 123}, "int"), ({"text": ["a"]}, "list")):
+        (tmp_path / "n.jsonl").write_text(json.dumps(bad))
+        with pytest.raises(CalibrationError, match=f"n.jsonl:1: 'text' is a {kind}, not a string"):
+            load_documents(tmp_path / "n.jsonl")
+    rows = ["first document", None, "", "second document"]
+    (tmp_path / "e.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in rows))
+    pq.write_table(pa.table({"text": rows}), tmp_path / "e.parquet")
+    assert resolve_text(tmp_path / "e.jsonl")[0] == resolve_text(tmp_path / "e.parquet")[0] \
+        == "first document\n\nsecond document"
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "i.parquet")
+    with pytest.raises(CalibrationError, match="column 'text' of .*i.parquet holds int64, not strings"):
+        load_documents(tmp_path / "i.parquet")
+
+
+def test_non_finite_scores(tiny_llama):
+    """Perplexity past float range is inf, not an OverflowError that loses the other
+    figures; NaN logits are an EvaluationError; a token both models rule out adds 0 to
+    the KL (it made it NaN)."""
+    from edgeprune.errors import EvaluationError
+    tok = CharTokenizer()
+    text = "abcdefgh " * 100
+
+    def scaled(ids):
+        return tiny_llama(ids).logits * 5000
+
+    assert perplexity(scaled, tok, text, seqlen=32, nwindows=2, progress=False).ppl == math.inf
+    r = fidelity(tiny_llama, scaled, tok, text, seqlen=32, nwindows=2, progress=False)
+    assert r.ppl == math.inf and math.isfinite(r.kl) and r.top1_agree == 1.0   # same argmax
+    with pytest.raises(EvaluationError, match="logits hold NaN"):
+        perplexity(lambda ids: tiny_llama(ids).logits * math.nan, tok, text, seqlen=32, nwindows=1,
+                   progress=False)
+
+    def masked(ids):                 # ids >= 240 never occur in this text
+        lo = tiny_llama(ids).logits.clone()
+        lo[..., 240:] = -math.inf
+        return lo
+    r = fidelity(masked, lambda ids: masked(ids) * 1.5, tok, text, seqlen=32, nwindows=2, progress=False)
+    assert math.isfinite(r.kl) and r.kl > 0
+    assert fidelity(masked, masked, tok, text, seqlen=32, nwindows=2, progress=False).kl == 0.0
+
+
 def test_seqlen_capped_independently_of_model_context():
     with pytest.raises(ConfigError, match=str(MAX_SEQLEN)):
         build_calibration(CharTokenizer(), nsamples=1, seqlen=131072, model_max_length=131072)
