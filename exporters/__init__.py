@@ -235,9 +235,18 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
     builder_cls = BUILDERS[spec.architecture]
     if leank is not None:
         from .leank import DEFAULT_SINK, DEFAULT_WINDOW, check_mask, leank_builder
-        leank_sink = DEFAULT_SINK if leank_sink is None else leank_sink
-        leank_window = DEFAULT_WINDOW if leank_window is None else leank_window
+        # defaults: the regime the mask was trained for (in its meta), else the deployment one
+        trained = (leank.get("meta") if isinstance(leank, dict) else getattr(leank, "meta", None)) or {}
+        if leank_sink is None:
+            leank_sink = int(trained.get("train_sink", DEFAULT_SINK))
+        if leank_window is None:
+            leank_window = int(trained.get("train_window", DEFAULT_WINDOW))
         leank = check_mask(leank, spec, leank_sink, leank_window)
+        if leank_sink + leank_window >= int(max_length):
+            raise ExportError(f"LeanK sink + window = {leank_sink} + {leank_window} tokens cover "
+                              f"the whole context (max_length={max_length}): no key would be pruned",
+                              f"use --leank-sink / --leank-window summing to less than {max_length}, "
+                              "or a larger --max-length")
         builder_cls = leank_builder(builder_cls)
     builder = builder_cls(model, spec, opts)
     if leank is not None:

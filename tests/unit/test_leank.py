@@ -332,3 +332,20 @@ def test_runtime_generate_and_errors(tiny_llama, tmp_path):
     bad = LeanKMask.full(3, 2, 16)
     with pytest.raises(ExportError, match="does not match"):
         exporters.export_onnx(tiny_llama, tiny_tokenizer(), tmp_path / "bad", leank=bad)
+
+
+def test_export_defaults_to_the_masks_training_regime_and_refuses_no_pruning(tiny_llama, tmp_path):
+    """Without --leank-sink/--leank-window the export keeps the regime the mask was
+    trained for (it took the deployment 64 / 448, which on a 128-token context pruned
+    nothing, silently); a sink + window covering the whole context is an error."""
+    L, KV, D = (kv_geometry(tiny_llama)[i] for i in (0, 2, 3))
+    m = LeanKMask.full(L, KV, D)
+    m.meta = {"train_sink": 4, "train_window": 8}
+    r = _export(tiny_llama, tmp_path, "regime", leank=m)
+    assert (r.metadata["leank"]["sink"], r.metadata["leank"]["window"]) == (4, 8)
+    with pytest.raises(ExportError, match=r"sink \+ window = 64 \+ 448 tokens cover the whole "
+                                          r"context \(max_length=128\): no key would be pruned"):
+        _export(tiny_llama, tmp_path, "none", leank=LeanKMask.full(L, KV, D))
+    with pytest.raises(ExportError, match="sink \\+ window = 100 \\+ 28"):
+        _export(tiny_llama, tmp_path, "edge", leank=m, leank_sink=100, leank_window=28)
+    assert not (tmp_path / "none").exists() and not (tmp_path / "edge").exists()
