@@ -111,6 +111,7 @@ class CountdownMixin:
     countdown_mode = "if"
     last_built = None
     _cd_int_info = None
+    _cd_block_size = None
 
     # ------------------------------------------------------------------ shared
     def _cd_cond(self) -> str:
@@ -164,6 +165,7 @@ class CountdownMixin:
 
     def _cd_int_rows(self, iw, name: str) -> dict:
         g = self.g
+        self._cd_block_size = int(iw.block_size)      # recorded: read reports price rows by it
         return {"data": g.initializer(name + ".rows_q4", _pack_rows4(iw.codes)),
                 "scales": g.initializer(name + ".rows_scales", iw.scales.astype(self.fdtype)),
                 "zp": g.initializer(name + ".rows_zp", _pack_zp4(iw.zeros)),
@@ -350,6 +352,7 @@ class CountdownMixin:
             "weight_layout": "gate/up [I, H] rows, down^T [I, H] rows",
             "granularity": "one intermediate unit (a row of gate, up and down^T)",
             "int4": ({"rows": "GatherBlockQuantized, blocks along hidden",
+                      "block_size": self._cd_block_size,
                       "down_t": self._cd_int_info or "n/a"} if self._cd_int_info else None),
             "mlp_rows_bytes_per_unit": {"gate": H, "up": H, "down": H},
             "predictor_kind": getattr(spec, "predictor_kind", None),

@@ -65,6 +65,8 @@ class CountdownSession(Session):
         if not self.countdown_enabled:
             cd = self._countdown_meta()
             name = cd.get("enabled_initializer")
+            if not name and cd.get("graph_mode") == "dense":
+                return so                # never filters (e.g. act_sparsity 0): nothing to switch off
             if not name:
                 raise RuntimeLoadError("this COUNTDOWN export has no on/off switch "
                                        f"(graph_mode={cd.get('graph_mode')!r})",
@@ -118,7 +120,7 @@ class CountdownSession(Session):
         k = np.stack(self.kept_log).astype(np.float64)                    # [steps, L]
         prec = m.get("precision", "fp32")
         if cd.get("int4"):
-            bs = 32
+            bs = int((cd["int4"] if isinstance(cd["int4"], dict) else {}).get("block_size") or 32)
             row = H / 2 + (H / bs) * (4 + 0.5)
             elem_pred = 4.0 if prec != "fp16" else 2.0
         else:

@@ -398,6 +398,47 @@ def test_int4_export_runs_and_records_granularity(tmp_path, tiny, specs):
     assert len(r.token_ids[0]) == 4
     ops = {n.op_type for n in onnx.load(str(res.folder / "model.onnx")).graph.node}
     assert "If" in ops
+    # the read report prices int4 rows by the export's own block (it assumed 32): a row
+    # of H = 64 codes in blocks of 16 is 32 B of codes + 4 scales (4 B) + 4 half-byte zeros
+    assert meta["int4"]["block_size"] == 16
+    c = runtime.countdown.load(res.folder, threads=1)
+    c.eos_token_ids = []
+    c.generate(list(_ids(8)[0]), max_new_tokens=4)
+    rep = c.mlp_read_report()
+    assert rep["mlp_bytes_dense_per_token"] == 3 * 160 * (32 + 4 * 4.5) * 2
+
+
+def test_profiler_counts_the_weights_inside_if_branches(tmp_path, tiny, specs):
+    """A COUNTDOWN graph's MLP lives in If branches: the profiler's bytes per token
+    include it (an upper bound: the dense branch), and its node count takes the longer
+    (filtered decode) branch; they were left out (half the bytes on this model)."""
+    from exporters import export_onnx
+    from runtime.profiler import model_work
+    model, tok = tiny
+    dense = model_work(export_onnx(model, tok, tmp_path / "dense", max_length=128, validate=False).folder)
+    res = _export(tmp_path, tiny, specs["d"][1], "if")
+    work = model_work(res.folder)
+    assert dense["weight_bytes_per_token"] <= work["weight_bytes_per_token"] <= \
+        dense["weight_bytes_per_token"] + 64
+    assert work["weight_ops_per_token"] == dense["weight_ops_per_token"]
+    g = onnx.load(str(res.folder / "model.onnx"), load_external_data=False).graph
+    then = sum(len(a.g.node) for n in g.node if n.op_type == "If" for a in n.attribute
+               if a.name == "then_branch")
+    assert work["graph_nodes"] == len(g.node) + then > dense["graph_nodes"]
+
+
+def test_countdown_off_on_a_never_filtering_export(tmp_path, tiny, specs):
+    """act_sparsity 0 exports a dense graph with no switch: countdown=False loads it (it
+    raised, with a fix that re-exported the same folder)."""
+    import runtime
+    model, tok = tiny
+    res = _export(tmp_path, tiny, specs["m"][0], "s0")
+    assert json.loads((res.folder / "edgeprune.json").read_text())["countdown"]["graph_mode"] == "dense"
+    ids = list(_ids(8)[0])
+    with runtime.countdown.load(res.folder, threads=1, countdown=False) as off, \
+            runtime.load(res.folder, threads=1) as on:
+        off.eos_token_ids = on.eos_token_ids = []
+        assert off.generate(ids, max_new_tokens=4).token_ids == on.generate(ids, max_new_tokens=4).token_ids
 
 
 def test_export_bad_inputs(tmp_path, tiny, specs):
