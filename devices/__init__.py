@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -212,9 +213,9 @@ def _from_dict(raw: dict, path: Path, measure: bool) -> DeviceProfile:
             continue
         whole = k == "threads"
         if isinstance(v, bool) or not isinstance(v, int if whole else (int, float)) or \
-                (whole and v < 1) or (not whole and not v > 0):
+                (whole and v < 1) or (not whole and not 0 < v < math.inf):
             raise DeviceError(f"device profile {path}: {k} = {v!r} is not "
-                              + ("a whole number >= 1" if whole else "a positive number"),
+                              + ("a whole number >= 1" if whole else "a positive finite number"),
                               f"give {'a whole number' if whole else 'a number'} or "
                               + " / ".join(f'"{w}"' for w in allowed))
     wants = [k for k in words if isinstance(raw[k], str)]

@@ -448,18 +448,25 @@ def export_cmd(checkpoint, out, precision, sparse_24, compact_24, graph, lm_head
               help="Training regime: the sink you will export with (default 64).")
 @click.option("--window", type=int, default=None,
               help="Training regime: the window you will export with (default 448).")
+@click.option("--alignment", type=int, default=None,
+              help="Every head keeps a multiple of this many channels (default 8).")
+@click.option("--min-per-head", type=int, default=None,
+              help="Channels every head keeps at least (default: one alignment block; 0 allows dead heads).")
 @click.option("--out", "out_path", required=True, help="Mask JSON to write.")
-def leank_cmd(model, k_keep, method, calib, nsamples, seqlen, sink, window, out_path):
+def leank_cmd(model, k_keep, method, calib, nsamples, seqlen, sink, window, alignment, min_per_head,
+              out_path):
     """Learn a LeanK key-channel mask for MODEL (LeanK, EMNLP 2025) and save it as JSON."""
     from . import leank as lk
     from .calibration import build_calibration
     from .models import load_model
 
-    lk.check_leank_args(k_keep=k_keep, sink=sink, window=window)
+    lk.check_leank_args(k_keep=k_keep, alignment=alignment, sink=sink, window=window)
+    _check_output(out_path, "--out", [model])
     m, tok = load_model(model)
     ids = build_calibration(tok, calib, nsamples=nsamples, seqlen=seqlen, model=m,
                             model_max_length=getattr(m.config, "max_position_embeddings", None)).input_ids
-    mask = lk.learn_mask(m, ids, k_keep, method=method, train_sink=sink, train_window=window)
+    extra = {k: v for k, v in (("alignment", alignment), ("min_per_head", min_per_head)) if v is not None}
+    mask = lk.learn_mask(m, ids, k_keep, method=method, train_sink=sink, train_window=window, **extra)
     path = mask.save(out_path)
     _console().print(f"LeanK {method} mask, k_keep={k_keep}: {path}")
 
@@ -559,9 +566,13 @@ def devices_cmd(json_path):
                      d["threads"], round(d["memory_budget_bytes"] / 2**20),
                      d["bandwidth_gbs"] or "measured", d["peak_fp32_gflops"] or "measured",
                      d["peak_int8_gops"] or "measured"])
-    _console().print(_table("device profiles (figures and their sources: devices/profiles/*.toml)",
-                            ["name", "class", "provider", "threads", "memory budget MiB",
-                             "bandwidth GB/s", "fp32 GFLOP/s", "int8 GOP/s"], rows))
+    con = _console()
+    con.print(_table("device profiles (devices/profiles/*.toml)",
+                     ["name", "class", "provider", "threads", "memory budget MiB",
+                      "bandwidth GB/s", "fp32 GFLOP/s", "int8 GOP/s"], rows))
+    con.print("sources of the figures:")
+    for p in profs:
+        con.print(f"  {p.name}: {p.to_dict().get('source') or 'not given'}")
     _write_json(json_path, [p.to_dict() for p in profs])
 
 
@@ -570,7 +581,7 @@ _CLI_FLAGS = {"threads": "--threads", "max_new_tokens": "--max-new-tokens", "max
               "top_k": "--top-k", "top_p": "--top-p", "temperature": "--temperature",
               "repetition_penalty": "--repetition-penalty", "context_policy": "--context-policy",
               "prompt_len": "--prompt-len", "gen_len": "--gen-len", "repeat": "--repeat",
-              "seed": "--seed"}
+              "seed": "--seed", "min_per_head": "--min-per-head", "alignment": "--alignment"}
 
 
 def _as_cli_hint(message: str) -> str:

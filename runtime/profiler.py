@@ -264,7 +264,9 @@ class ProfileReport:
         settings: ``prompt_len``, ``gen_len``, ``repeat``, ``threads``, ``device``.
         measured: ``ttft_ms`` / ``prefill_tok_s`` / ``decode_tok_s`` / ``decode_step_ms``
             (each ``{"median", "p90"}``; for rates, "p90" is the slow tail: decode tok/s
-            at the p90 step latency, the 10th-percentile prefill rate), ``peak_rss_bytes``, ``weights_bytes``, ``kv_bytes`` (``{"k", "v"}``
+            at the p90 step latency, the 10th-percentile prefill rate; decode's ``median``
+            is at the median step latency over all runs, its ``runs`` each run's mean rate,
+            as its ``basis`` says), ``peak_rss_bytes``, ``weights_bytes``, ``kv_bytes`` (``{"k", "v"}``
             for the ``kv_tokens = final_length - 1`` tokens cached at the end: the last new
             token is sampled, never fed back), ``final_length`` (prompt + new tokens).
         projected: ``{target: {...}}`` roofline projections (never measurements).
@@ -554,7 +556,10 @@ def _measure(cfg: dict) -> dict:
         "ttft_ms": {"median": float(np.median(ttft)), "p90": _pct(ttft, 90), "runs": ttft},
         "prefill_tok_s": {"median": float(np.median(prefill)), "p90": _pct(prefill, 10), "runs": prefill},
         "decode_step_ms": {"median": med, "p90": p90},
-        "decode_tok_s": {"median": 1000.0 / med, "p90": 1000.0 / p90, "runs": decode_runs},
+        "decode_tok_s": {"median": 1000.0 / med, "p90": 1000.0 / p90, "runs": decode_runs,
+                         "basis": "median / p90: at the median / p90 latency of all decode steps "
+                                  "of all runs; runs: each run's mean rate (new tokens - 1 over "
+                                  "its decode time)"},
         "peak_rss_bytes": peak, "rss_start_bytes": rss_start, "rss_loaded_bytes": rss_loaded,
         "weights_bytes": weights, "kv_bytes": {"k": int(kv["k"]), "v": int(kv["v"])},
         "final_length": P + G, "kv_tokens": P + G - 1, "sweep": sweep, "budget_bytes": cfg.get("budget_bytes"),
@@ -676,7 +681,10 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
                               "pass e.g. sweep=[128, 512, 1024] (CLI: --sweep for the default list)")
     prof = devices.load_profile(profile_name_or_obj, measure=False)
     # target profiles loaded now: a typo fails before the measurement, not after it
-    tgts = None if targets is None else [devices.load_profile(n, measure=False) for n in targets]
+    if targets is None:     # the default targets too: a broken profile file fails now
+        tgts = [prof] if not prof.is_host else [p for p in devices.list_profiles() if not p.is_host]
+    else:
+        tgts = [devices.load_profile(n, measure=False) for n in targets]
     try:
         meta = json.loads((folder / "edgeprune.json").read_text())
     except (OSError, ValueError):
@@ -739,8 +747,6 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
     host = dataclasses.replace(devices.load_profile("cpu-host", measure=False), threads=threads,
                                bandwidth_gbs=host_fig["bandwidth_gbs"], peak_fp32_gflops=host_fig["peak_fp32_gflops"],
                                peak_int8_gops=host_fig["peak_int8_gops"], measured=True)
-    if tgts is None:
-        tgts = [prof] if not prof.is_host else [p for p in devices.list_profiles() if not p.is_host]
     projected = {}
     if device == "cpu":
         for tgt in tgts:

@@ -477,3 +477,19 @@ def test_table_cells_and_json_of_tiny_or_infinite_figures():
     assert format_value(3.14159) == "3.1416" and format_value(31.94) == "31.9"
     assert json.loads(json.dumps(_finite({"ppl": float("inf"), "x": [float("nan"), 1.0]}))) == \
         {"ppl": "inf", "x": ["nan", 1.0]}
+
+
+def test_devices_lists_the_sources_and_leank_takes_the_options_its_errors_name(model_dir, tmp_path, capsys):
+    """`edgeprune devices` prints each profile's source (only --json had it); `edgeprune
+    leank` has the --min-per-head / --alignment its errors suggest (they did not exist)."""
+    code, out, err = run_cli(["devices"], capsys)
+    assert code == 0, err
+    assert "sources of the figures:" in out and "raspberry-pi-5: Raspberry Pi 5 product brief" in out
+    argv = ["leank", model_dir, "--k-keep", "0.3", "--nsamples", "2", "--seqlen", "64", "--sink", "4",
+            "--window", "8", "--out", tmp_path / "m.json"]
+    code, _, err = run_cli(argv, capsys)
+    one_line_error(code, err, "--min-per-head 0")
+    code, out, err = run_cli(argv + ["--min-per-head", "0", "--alignment", "4"], capsys)
+    assert code == 0, err
+    mask = json.loads((tmp_path / "m.json").read_text())
+    assert mask["alignment"] == 4 and all(len(h) % 4 == 0 for layer in mask["keep"] for h in layer)

@@ -53,9 +53,10 @@ def test_profile_from_path_and_validation(tmp_path):
     p.write_text("\n".join(line for line in src.splitlines() if not line.startswith("bandwidth_gbs")))
     with pytest.raises(DeviceError, match="lacks bandwidth_gbs"):
         load_profile(p)
-    p.write_text(src.replace("bandwidth_gbs = 17.1", "bandwidth_gbs = 0"))
-    with pytest.raises(DeviceError, match="bandwidth_gbs = 0 is not a positive number"):
-        load_profile(p)
+    for bad in ("0", "inf", "nan"):     # inf passed, and projected infinite speed
+        p.write_text(src.replace("bandwidth_gbs = 17.1", f"bandwidth_gbs = {bad}"))
+        with pytest.raises(DeviceError, match=f"bandwidth_gbs = {bad} is not a positive finite number"):
+            load_profile(p)
     # values that used to pass and then crash (\"measure\" threads or budget) or be
     # silently truncated (2.7 threads -> 2, true -> 1)
     for old, new, needle in (("threads = 4", 'threads = "measure"', "threads = 'measure'"),

@@ -317,7 +317,7 @@ def test_truncated_weight_file_is_named(tmp_path):
         runtime.load(bad)
 
 
-def test_profile_checks_arguments_before_measuring(folder, monkeypatch):
+def test_profile_checks_arguments_before_measuring(folder, monkeypatch, tmp_path):
     import runtime.profiler as rp
 
     def no(*a, **k):
@@ -329,3 +329,13 @@ def test_profile_checks_arguments_before_measuring(folder, monkeypatch):
         rp.profile(folder, "cpu-host", prompt_len=8, gen_len=1, repeat=1)
     with pytest.raises(GenerationError, match="sweep must be"):
         rp.profile(folder, "cpu-host", prompt_len=8, gen_len=4, repeat=1, sweep="abc")
+    # the default targets are read before measuring too: a broken profile file that was
+    # not asked for failed only after the whole run (its measurement lost)
+    import shutil
+    import devices
+    broken = tmp_path / "profiles"
+    shutil.copytree(devices.PROFILE_DIR, broken)
+    (broken / "raspberry-pi-5.toml").write_text("name = [unclosed")
+    monkeypatch.setattr(devices, "PROFILE_DIR", broken)
+    with pytest.raises(DeviceError, match="raspberry-pi-5.toml"):
+        rp.profile(folder, "cpu-host", prompt_len=8, gen_len=4, repeat=1)
