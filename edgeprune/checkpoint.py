@@ -75,6 +75,10 @@ CHECKPOINT_JSON = "edgeprune_checkpoint.json"
 QPARAMS_FILE = "edgeprune_qparams.safetensors"
 MASKS_FILE = "edgeprune_masks.safetensors"
 WEIGHTS_FILE = "model.safetensors"
+#: What a checkpoint folder holds besides the tokenizer's files: anything else in it is the
+#: user's, and ``overwrite`` refuses to delete it.
+CHECKPOINT_FILES = frozenset({"config.json", "generation_config.json", WEIGHTS_FILE, QPARAMS_FILE,
+                              MASKS_FILE, CHECKPOINT_JSON})
 FORMATS = ("compressed-tensors", "dense")
 SCHEMA_VERSION = 1
 
@@ -285,7 +289,7 @@ def check_out_dir(out: Path, sources: list[Path], overwrite: bool, run_id: str =
     Raises:
         CheckpointError: naming the folder and the fix.
     """
-    from exporters.folder import foreign_entries, shown_names, source_conflict
+    from exporters.folder import TOKENIZER_FILES, foreign_entries, shown_names, source_conflict
 
     why = source_conflict(out, sources)
     if why:
@@ -294,7 +298,7 @@ def check_out_dir(out: Path, sources: list[Path], overwrite: bool, run_id: str =
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} exists and is not a folder", "pass a folder path")
     if out.exists() and any(out.iterdir()):
-        other = foreign_entries(out, marker=CHECKPOINT_JSON)
+        other = foreign_entries(out, CHECKPOINT_FILES | TOKENIZER_FILES, marker=CHECKPOINT_JSON)
         if other:
             raise CheckpointError(f"{out} holds files that are not an edgeprune checkpoint "
                                   f"({shown_names(other)}); overwrite only replaces an earlier checkpoint",

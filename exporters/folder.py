@@ -32,6 +32,18 @@ def source_conflict(out, sources) -> "str | None":
     return None
 
 
+#: Files a Hugging Face tokenizer's ``save_pretrained`` may write (exports and checkpoints
+#: carry the model's tokenizer).
+TOKENIZER_FILES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "vocab.json", "vocab.txt", "merges.txt",
+    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model"})
+#: What an export folder holds: anything else in it is the user's, and ``overwrite``
+#: refuses to delete it.
+EXPORT_FILES = frozenset({"model.onnx", "model.onnx.data", "edgeprune.json",
+                          "genai_config.json"}) | TOKENIZER_FILES
+
+
 def foreign_entries(out: Path, allowed=None, marker: str | None = None) -> list[str]:
     """Names in the existing folder ``out`` that a replacement would delete although no
     edgeprune step wrote them: everything when ``marker`` (e.g. ``edgeprune.json``) is
@@ -61,11 +73,11 @@ def check_out_dir(out_dir: Path, source_dirs: list[Path], overwrite: bool) -> No
         raise ExportError(f"output folder {out_dir} already exists",
                           "pass overwrite=True (--overwrite) or choose a new path")
     if out.exists():
-        other = foreign_entries(out, marker="edgeprune.json")
+        other = foreign_entries(out, EXPORT_FILES, marker="edgeprune.json")
         if other:
             raise ExportError(f"output folder {out_dir} holds files that are not an edgeprune "
                               f"export ({shown_names(other)}); overwrite only replaces an earlier export",
-                              "choose a new or empty output path")
+                              "move those files out, or choose a new or empty output path")
 
 
 def shown_names(names: list[str], k: int = 4) -> str:

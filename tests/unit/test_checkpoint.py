@@ -398,3 +398,18 @@ def test_half_precision_model_saves_and_reloads_exactly(tiny_llama, tmp_path, dt
     ids = torch.randint(0, 256, (1, 16), generator=g)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, back(ids).logits)
+
+
+def test_overwrite_never_deletes_the_users_files(tiny_llama, tmp_path):
+    """A checkpoint folder the user added files to is refused even with overwrite (its
+    marker file was enough to delete everything in it)."""
+    res = _quantize(tiny_llama)
+    out = save_checkpoint(tiny_llama, None, res, tmp_path / "ck", provenance=PROV)
+    (out / "notes.txt").write_text("mine")
+    (out / "mydata").mkdir()
+    with pytest.raises(CheckpointError, match=r"holds files that are not an edgeprune checkpoint \(mydata, notes.txt\)"):
+        save_checkpoint(tiny_llama, None, res, out, provenance={**PROV, "seed": 3}, overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "mydata").is_dir()
+    (out / "notes.txt").unlink()
+    (out / "mydata").rmdir()
+    save_checkpoint(tiny_llama, None, res, out, provenance={**PROV, "seed": 3}, overwrite=True)

@@ -486,8 +486,18 @@ def test_tied_quantized_head_plain_equals_fused(tok, tmp_path, lm_head):
     np.testing.assert_allclose(out["plain"], out["fused"], atol=1e-4)
 
 
+def test_overwrite_never_deletes_the_users_files(tiny_llama, tok, tmp_path):
+    """An export folder the user added a file to is refused even with overwrite (its
+    edgeprune.json was enough to delete everything in it)."""
+    _export(tiny_llama, tok, tmp_path / "e", validate=False)
+    (tmp_path / "e" / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match=r"holds files that are not an edgeprune export \(notes.txt\)"):
+        _export(tiny_llama, tok, tmp_path / "e", validate=False)
+    assert (tmp_path / "e" / "notes.txt").read_text() == "mine"
+
+
 def test_overwrite_replaces(tiny_llama, tok, tmp_path):
     _export(tiny_llama, tok, tmp_path / "m", validate=False)
-    (tmp_path / "m" / "stale.txt").write_text("x")
-    _export(tiny_llama, tok, tmp_path / "m", validate=False)
-    assert not (tmp_path / "m" / "stale.txt").exists()
+    _export(tiny_llama, tok, tmp_path / "m", validate=False, max_length=64)
+    assert json.loads((tmp_path / "m" / "edgeprune.json").read_text())["max_length"] == 64
+    assert not [p for p in tmp_path.iterdir() if p.name != "m"]       # no temp / old folder left
