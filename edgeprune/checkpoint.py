@@ -353,7 +353,7 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: d
 
 def save_checkpoint(model, tokenizer, result=None, out_dir: str | os.PathLike = "checkpoint", *,
                     format: str = "compressed-tensors", provenance: Optional[dict] = None,
-                    overwrite: bool = False, asym_layout: str = "pack-quantized") -> Path:
+                    overwrite: bool = False, asym_layout: str = "naive-quantized") -> Path:
     """Save a (compressed) causal LM as a folder transformers can load.
 
     Args:
@@ -369,6 +369,12 @@ def save_checkpoint(model, tokenizer, result=None, out_dir: str | os.PathLike = 
         provenance: recorded as is; recognised keys: ``method``, ``source``,
             ``calibration`` (``{"source", "nsamples", "seqlen", "seed"}``), ``seed``.
         overwrite: replace a non-empty ``out_dir`` that holds a different run.
+        asym_layout: compressed-tensors format of *asymmetric* layers:
+            ``"naive-quantized"`` (default; one int8 per code, the layout plain
+            transformers 5.x loads) or ``"pack-quantized"`` (codes packed 8 per int32:
+            half the bytes of 4-bit layers, but transformers 5.24 + compressed-tensors
+            0.20 fail to load its zero points, llm-compressor#1618). Symmetric layers are
+            always packed; edgeprune's own loader reads both.
 
     Returns:
         The output folder path.

@@ -208,10 +208,14 @@ def run_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, cal
 @click.option("--out", "out_dir", required=True, help="Checkpoint folder to write.")
 @click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "dense"]),
               default="compressed-tensors", show_default=True)
+@click.option("--asym-layout", type=click.Choice(["naive-quantized", "pack-quantized"]),
+              default="naive-quantized", show_default=True,
+              help="compressed-tensors layout of asymmetric layers: naive (int8 codes) loads in plain "
+                   "transformers; pack (8 codes per int32) is half the size but transformers 5.24 cannot load it.")
 @click.option("--overwrite", is_flag=True)
 @click.option("--json", "json_path", default=None, help="Write the compression summary here.")
 def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, calib, nsamples, seqlen,
-                 seed, device, out_dir, fmt, overwrite, json_path):
+                 seed, device, out_dir, fmt, asym_layout, overwrite, json_path):
     """Compress MODEL with a method or recipe and save a checkpoint."""
     _check_output(out_dir, "--out", folder=True)   # writable; input protection follows
     _check_output(json_path, "--json", [model])
@@ -245,7 +249,7 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
     res.calibration = cal.info
     if res.quantized and fmt == "dense":
         con.print("note: --format dense stores dequantized floats; integer codes are not kept")
-    path = ckpt.save_checkpoint(m, tok, res, out_dir, format=fmt, overwrite=overwrite,
+    path = ckpt.save_checkpoint(m, tok, res, out_dir, format=fmt, overwrite=overwrite, asym_layout=asym_layout,
                                 provenance=dict(method=rec.to_dict(), source=src.to_dict(),
                                                 calibration=cal.info, seed=seed))
     summ = res.summary()
