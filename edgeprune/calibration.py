@@ -345,9 +345,12 @@ def build_calibration(tokenizer, source: str | Path | None = None, *, nsamples: 
 
 
 def get_calibration(tokenizer, source: str | Path | None = None, nsamples: int = 128,
-                    seqlen: int = 512, seed: int = 0) -> torch.Tensor:
-    """Shortcut for :func:`build_calibration` returning only ``int64 [nsamples, seqlen]``."""
-    return build_calibration(tokenizer, source, nsamples=nsamples, seqlen=seqlen, seed=seed).input_ids
+                    seqlen: int = 512, seed: int = 0, **kwargs) -> torch.Tensor:
+    """Shortcut for :func:`build_calibration` returning only ``int64 [nsamples, seqlen]``;
+    other keyword arguments (``model=`` for ``source="self"``, ``model_max_length=``) pass
+    through."""
+    return build_calibration(tokenizer, source, nsamples=nsamples, seqlen=seqlen, seed=seed,
+                             **kwargs).input_ids
 
 
 __all__ = ["CalibrationSet", "build_calibration", "self_generated", "get_calibration", "default_documents",

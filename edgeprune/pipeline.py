@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .errors import CheckpointError, ConfigError
+from .errors import CalibrationError, CheckpointError, ConfigError
 
 #: Default compression of the main job (see README for the measured trade-offs).
 DEFAULT_METHOD = dict(method="gptq", bits=4, group_size=64, sym=False)
@@ -342,6 +342,14 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
         if isinstance(ctx, int) and eval_seqlen > ctx:   # found now, not after compressing
             log(f"      evaluation windows capped at the model's context: {ctx} tokens, not {eval_seqlen}")
             eval_seqlen = ctx
+        # the evaluation text must hold its windows: found now, not after compressing
+        from .evaluate import eval_windows
+        try:
+            eval_windows(tok, cfg.eval_text, seqlen=eval_seqlen, nwindows=nwin or None)
+        except CalibrationError as e:
+            raise CalibrationError(e.message,
+                                   "use a longer --eval-text, or lower --eval-nwindows / "
+                                   "--eval-seqlen") from None
         t = time.perf_counter()
         calib = cfg.calib if cfg.calib is not None else DEFAULT_CALIB
         log(f"[2/6] calibration: {cfg.nsamples} x {cfg.seqlen} tokens from "

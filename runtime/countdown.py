@@ -5,12 +5,15 @@ nothing special to run: ``runtime.load(folder)`` decodes with the sparse MLP and
 prefills densely, because the graph itself switches on ``sequence_length == 1`` (an
 ``If`` per layer). This module adds:
 
-* the runtime flag: ``load(folder, countdown=False)`` overrides the graph's bool
+* the runtime flag: ``runtime.countdown.load(folder, countdown=False)`` overrides the graph's bool
   initializer ``countdown.enabled`` (``SessionOptions.add_initializer``), so the same
   file decodes densely (for A/B comparisons without a second export);
 * :class:`CountdownSession`, which binds the graph's ``countdown_kept int64 [L]`` output
   (rows kept per layer) at every decode step and reports the measured fraction of MLP
   weight bytes read per decode token (:meth:`CountdownSession.mlp_read_report`).
+
+Batches (and any step with more than one token) run the dense branch: a batch row then
+decodes like the dense model, not like the same prompt filtered alone.
 
 Torch-free (onnxruntime + numpy).
 """

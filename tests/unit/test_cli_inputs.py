@@ -493,3 +493,20 @@ def test_devices_lists_the_sources_and_leank_takes_the_options_its_errors_name(m
     assert code == 0, err
     mask = json.loads((tmp_path / "m.json").read_text())
     assert mask["alignment"] == 4 and all(len(h) % 4 == 0 for layer in mask["keep"] for h in layer)
+
+
+def test_run_with_a_too_short_eval_text_fails_before_calibrating(model_dir, tmp_path, capsys, monkeypatch):
+    """The evaluation text is checked right after the model loads, with run's own flags in
+    the fix (it failed at stage 3 of 6, after compressing, naming eval's --nwindows)."""
+    import edgeprune.calibration as cal
+
+    def boom(*a, **k):
+        raise AssertionError("calibrated before checking the evaluation text")
+
+    monkeypatch.setattr(cal, "build_calibration", boom)
+    short = tmp_path / "short.txt"
+    short.write_text("only a few words")
+    code, _, err = run_cli(["run", "--model", model_dir, "--method", "rtn", "--group-size", "32", *CAL,
+                            "--eval-text", short, "--eval-seqlen", "32", "--out", tmp_path / "r"], capsys)
+    one_line_error(code, err, "0 windows of 32", "--eval-nwindows / --eval-seqlen")
+    assert not (tmp_path / "r").exists()

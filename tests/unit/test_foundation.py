@@ -240,6 +240,10 @@ def test_self_generated_calibration(tiny_llama):
     assert not (a.input_ids[:, 1:] == 2).any()             # EOS suppressed: full windows
     assert len(set(a.input_ids[:, 1:].flatten().tolist())) > 20   # sampled, not greedy
     assert a.info["source"] == "self:T=1" and a.info["nsamples"] == 5
+    # the documented shortcut takes "self" too (it had no way to pass the model)
+    from edgeprune.calibration import get_calibration
+    assert torch.equal(get_calibration(tok, "self", nsamples=5, seqlen=24, seed=3, model=tiny_llama),
+                       a.input_ids)
     # the caller's RNG is untouched
     torch.manual_seed(0)
     x = torch.rand(3)
