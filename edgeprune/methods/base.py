@@ -63,10 +63,12 @@ class InputStats:
         x = x.float()
         k = min(max(self.e_cap - self.e_tokens, 0), n)
         if self.h_sum is not None:
-            if k and k < n and self.e_sum is None:  # crossing the cap: snapshot the prefix
+            if k and self.e_sum is None and self.e_tokens + k >= self.e_cap:
+                # reaching the cap (inside this batch or exactly at its end): snapshot the prefix
                 self.h_sum.addmm_(x[:k].t(), x[:k])
                 self.e_sum = self.h_sum.clone()
-                self.h_sum.addmm_(x[k:].t(), x[k:])
+                if k < n:
+                    self.h_sum.addmm_(x[k:].t(), x[k:])
             else:
                 self.h_sum.addmm_(x.t(), x)
         elif k:

@@ -10,9 +10,11 @@ as implemented by :func:`sparsegpt_prune`:
 * Columns are processed in blocks of ``blocksize`` (128). Unstructured: at the start of
   each block the mask is chosen *adaptively* from the error-updated weights with the OBS
   saliency ``w_ij^2 / [H^-1]_jj^2`` (``= (w / U_jj)^2``), removing the lowest-saliency
-  fraction ``sparsity`` of the block (exact count per block and per layer).
+  fraction ``sparsity`` of the block (per-block counts rounded cumulatively, so the
+  layer's count is exact: ``round(sparsity x rows x in)``).
   N:M: at every ``prune_m``-th column, the ``prune_m - prune_n`` lowest-saliency weights of
-  the next ``prune_m`` columns of each row are removed.
+  the next ``prune_m`` columns of each row are removed. Weights an earlier mask pruned
+  stay pruned in both modes (a group may then hold fewer than ``prune_n``).
 * For each column ``j``: ``q_j = w_j`` with pruned entries set to 0 (and rounded to the
   quantization grid when ``bits`` is set, joint sparsification + quantization, Sec. 3.5);
   ``e_j = (w_j - q_j) / U_jj``; ``W[:, j:] -= e_j U[j, j:]``; lazy update of the columns
@@ -94,7 +96,8 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, *, sparsity: float = 0.5, 
                 sal = torch.where(prev_keep[:, i1:i2], sal, torch.full_like(sal, -1.0))
             for r0, r1 in bounds:
                 seg = sal[r0:r1]
-                k = int(round(seg.numel() * sparsity))
+                # cumulative rounding: the block counts add up to the layer's exact count
+                k = int(round((r1 - r0) * i2 * sparsity)) - int(round((r1 - r0) * i1 * sparsity))
                 if prev_keep is not None:
                     k = max(k, int((~prev_keep[r0:r1, i1:i2]).sum()))
                 if k:
@@ -108,6 +111,8 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, *, sparsity: float = 0.5, 
                 sal = torch.where(prev_keep[:, col:col + prune_m], sal, torch.full_like(sal, -1.0))
             idx = torch.topk(sal, prune_m - prune_n, dim=1, largest=False).indices
             pruned[:, col:col + prune_m].scatter_(1, idx, True)
+            if prev_keep is not None:   # more than m - n pruned before: all stay pruned
+                pruned[:, col:col + prune_m] |= ~prev_keep[:, col:col + prune_m]
         p_col = pruned[:, col]
         q = torch.where(p_col, torch.zeros_like(w), w)
         if quant:

@@ -479,3 +479,60 @@ def test_sparsegpt_nm_independent_of_block_sizes():
     c = sparsegpt_prune(W, H, prune_n=2, prune_m=4, bits=4, group_size=32, blocksize=20)
     d = sparsegpt_prune(W, H, prune_n=2, prune_m=4, bits=4, group_size=32, blocksize=128)
     assert (c[2].codes != d[2].codes).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_sparsegpt_nm_keeps_an_earlier_sparser_mask(bits):
+    """2:4 after a 70 % mask: every weight pruned before stays pruned (in groups with
+    three or four pruned, the surplus came back as kept and received OBS updates, and
+    with bits=4 their codes no longer matched the model)."""
+    W, _, H = _synthetic(out=64, inp=128)
+    prev = magnitude_prune(W, sparsity=0.7).bool()
+    out, keep, qw, _ = sparsegpt_prune(W * prev, H, prune_n=2, prune_m=4, mask=prev, bits=bits, group_size=32)
+    assert not (keep & ~prev).any() and not (out[~prev] != 0).any()
+    assert (keep.reshape(64, -1, 4).sum(-1) <= 2).all()
+    if qw is not None:
+        assert torch.equal(qw.dequantize() * keep, out)
+
+
+def test_sparsegpt_unstructured_count_is_exact_per_layer():
+    """Per-block counts round cumulatively: the layer prunes round(sparsity x size)
+    whatever the block width (it was off by one per block: 2456 for 2458)."""
+    W, _, H = _synthetic(out=64, inp=128)
+    for sp in (0.3, 0.7):
+        _, keep, _, _ = sparsegpt_prune(W, H, sparsity=sp, blocksize=32)
+        assert int((~keep).sum()) == round(64 * 128 * sp)
+
+
+def test_error_tokens_cap_at_a_batch_boundary():
+    """The error Hessian covers the first e_cap tokens also when a batch ends exactly at
+    the cap (the default 8 x 256 = 2048 did: it then covered every token)."""
+    x = torch.randn(16, 6)
+    for split in ((8, 8), (6, 10), (3, 5, 8)):
+        st = InputStats.empty(6, True, error_tokens=8)
+        i = 0
+        for n in split:
+            st.add(x[i:i + n])
+            i += n
+        assert torch.allclose(st.error_hessian, x[:8].t() @ x[:8] / 8, atol=1e-6), split
+
+
+def test_finite_fp16_massive_activations_are_kept():
+    """A finite fp16 token whose row sum overflows (> 65504) stays in the statistics (it
+    was excluded as NaN/inf)."""
+    from edgeprune.engine import _StatsCollector
+    lin = torch.nn.Linear(128, 8, bias=False).half()
+
+    class Blk(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x, **kw):
+            return self.lin(x)
+    x = torch.randn(1, 16, 128).half()
+    x[0, 3] = 600.0
+    x[0, 5, 0] = float("inf")
+    blk = Blk()
+    st = _StatsCollector({"lin": lin}, True, "cpu").run(blk, [[x, {}, torch.ones(1, 16, dtype=torch.bool)]])["lin"]
+    assert (st.n_tokens, st.n_excluded) == (15, 1)
