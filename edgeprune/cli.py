@@ -196,7 +196,7 @@ def run_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, cal
     con.print(_table(f"{model}: dense vs compressed ({rep.compression.get('recipe', {}).get('name', '')})",
                      ["metric", "dense", "compressed"], rows))
     for k, s in rep.samples.items():
-        con.print(f"{k} sample:", s, style=None)
+        con.print(f"{k} sample: {s}")
     con.print(f"report: {Path(rep.out_dir) / 'report.md'} and report.json "
               f"(total {rep.seconds.get('total', 0):.0f} s)")
     _write_json(json_path, rep.to_dict())
@@ -319,7 +319,7 @@ def _load_any(source: str, threads=None):
             return sess.logits(np.asarray(ids, dtype=np.int64))
 
         # the trained context, for evaluation's check (exports record it since this field)
-        ctx = json.loads((p / "edgeprune.json").read_text()).get("max_position_embeddings")
+        ctx = sess.meta.get("max_position_embeddings")
         if isinstance(ctx, int):
             from types import SimpleNamespace
             fn.config = SimpleNamespace(max_position_embeddings=ctx)
@@ -576,7 +576,7 @@ def devices_cmd(json_path):
                       "bandwidth GB/s", "fp32 GFLOP/s", "int8 GOP/s"], rows))
     con.print("sources of the figures:")
     for p in profs:
-        con.print(f"  {p.name}: {p.to_dict().get('source') or 'not given'}")
+        con.print(f"  {p.name}: {p.source or 'not given'}")
     _write_json(json_path, [p.to_dict() for p in profs])
 
 

@@ -139,7 +139,6 @@ def _tokenizer_name(tokenizer) -> str:
     digest = ""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        import hashlib
         digest = ", sha256 " + hashlib.sha256(backend.to_str().encode()).hexdigest()[:12]
     return f"{name} (vocab {len(tokenizer)}{digest})" if hasattr(tokenizer, "__len__") else str(name)
 

@@ -348,22 +348,19 @@ class Session:
         lens = mask.sum(1)
         self._acquire()
         try:
+            _check_memory(sum(self.kv.bytes(max(S, 1), B).values()) + B * S * self.vocab_size * 4,
+                          f"the KV cache and logits of {B} row(s) x {S} tokens",
+                          "score fewer rows or shorter windows at once")
             if not self.fused:
                 pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
                 cache = ConcatKVCache(self.kv, B, self.device)
-                _check_memory(sum(self.kv.bytes(max(S, 1), B).values()) + B * S * self.vocab_size * 4,
-                              f"the KV cache and logits of {B} row(s) x {S} tokens",
-                              "score fewer rows or shorter windows at once")
-                out = np.ascontiguousarray(self._run_plain(ids, mask, pos, S, cache), np.float32)
+                out = np.require(self._run_plain(ids, mask, pos, S, cache), np.float32, ["C", "W"])
                 out[mask == 0] = 0.0        # in place: float32, no second [B, S, vocab] array
                 return out
             rows = [ids[b][mask[b] == 1] for b in range(B)]
             packed = np.full((B, S), self.pad_token_id, np.int64)
             for b, r in enumerate(rows):
                 packed[b, :len(r)] = r
-            _check_memory(sum(self.kv.bytes(max(S, 1), B).values()) + B * S * self.vocab_size * 4,
-                          f"the KV cache and logits of {B} row(s) x {S} tokens",
-                          "score fewer rows or shorter windows at once")
             cache = SharedKVCache(self.kv, B, max(S, 1), self.device)
             out = self._run_fused(packed, (lens - 1).astype(np.int32), S, S, cache)
             del cache
