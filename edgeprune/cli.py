@@ -495,8 +495,15 @@ def leank_cmd(model, k_keep, method, calib, nsamples, seqlen, sink, window, alig
 @click.option("--stop", "stops", multiple=True,
               help="Stop string (repeatable); the escapes \\n, \\t and \\\\ are understood, so "
                    "--stop '\\n\\n' stops at a blank line.")
+@click.option("--prompt-lookup-num-tokens", type=int, default=0, show_default=True,
+              help="Prompt-lookup speculative decoding: draft up to this many tokens from an "
+                   "earlier occurrence of the last n-gram and score them in one pass (0: off). "
+                   "Faster where the text repeats its context; same sampler, same draws.")
+@click.option("--max-matching-ngram-size", type=int, default=2, show_default=True,
+              help="Longest n-gram prompt lookup matches.")
 def generate_cmd(folder, prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, chat,
-                 threads, max_length, context_policy, stops):
+                 threads, max_length, context_policy, stops, prompt_lookup_num_tokens,
+                 max_matching_ngram_size):
     """Stream a completion of PROMPT from an exported FOLDER (runtime only, no torch)."""
     import runtime
 
@@ -504,7 +511,9 @@ def generate_cmd(folder, prompt, max_new_tokens, temperature, top_k, top_p, repe
                       context_policy=context_policy) as sess:
         for piece in sess.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                  top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, chat=chat,
-                                 stop=[_unescape(x) for x in stops] or None):
+                                 stop=[_unescape(x) for x in stops] or None,
+                                 prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+                                 max_matching_ngram_size=max_matching_ngram_size):
             click.echo(piece, nl=False)
     click.echo()
 
@@ -585,7 +594,9 @@ _CLI_FLAGS = {"threads": "--threads", "max_new_tokens": "--max-new-tokens", "max
               "top_k": "--top-k", "top_p": "--top-p", "temperature": "--temperature",
               "repetition_penalty": "--repetition-penalty", "context_policy": "--context-policy",
               "prompt_len": "--prompt-len", "gen_len": "--gen-len", "repeat": "--repeat",
-              "seed": "--seed", "min_per_head": "--min-per-head", "alignment": "--alignment"}
+              "seed": "--seed", "min_per_head": "--min-per-head", "alignment": "--alignment",
+              "prompt_lookup_num_tokens": "--prompt-lookup-num-tokens",
+              "max_matching_ngram_size": "--max-matching-ngram-size"}
 
 
 def _as_cli_hint(message: str) -> str:

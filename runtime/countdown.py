@@ -43,6 +43,8 @@ class CountdownSession(Session):
             ``countdown`` is null), or ``countdown=False`` on a graph without the switch.
     """
 
+    supports_prompt_lookup = False   # own cache layout / per-step statistics
+
     def __init__(self, folder, device: str = "cpu", threads: Optional[int] = None,
                  max_length: Optional[int] = None, context_policy: str = "error",
                  huge_pages: bool = True, countdown: bool = True):

@@ -30,6 +30,8 @@ from .session import Session
 class LeanKSession(Session):
     """A loaded LeanK export folder (see module docstring); same API as ``Session``."""
 
+    supports_prompt_lookup = False   # own cache layout / per-step statistics
+
     def __init__(self, folder, device: str = "cpu", threads: Optional[int] = None,
                  max_length: Optional[int] = None, context_policy: str = "error",
                  huge_pages: bool = True):

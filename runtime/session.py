@@ -43,6 +43,7 @@ import onnxruntime as ort
 from .errors import GenerationError, RuntimeLoadError
 from .hugepages import collapse_resident, resident_stretches
 from .kv_cache import ConcatKVCache, KVSpec, SharedKVCache
+from .lookup import check_lookup_args, find_draft
 from .sampling import Sampler
 from .tokenizer import Tokenizer
 
@@ -62,8 +63,12 @@ class GenerationResult:
         ttft_ms: time to first token (prefill + first sampling), milliseconds.
         prefill_tok_s: prompt tokens (all rows) / prefill seconds.
         decode_tok_s: generated tokens after the first, per row, / decode seconds.
-        step_ms: wall time of every decode step, milliseconds.
+        step_ms: wall time of every decode step, milliseconds (with prompt lookup: per
+            generated token, a verification pass's time on the first token it yields and
+            ~0 on the drafted tokens it confirmed).
         finish_reasons: ``"eos"``, ``"stop"`` or ``"length"`` per row.
+        draft_tokens: prompt-lookup draft tokens scored (0 without prompt lookup).
+        accepted_draft_tokens: of those, the ones the model's own choice confirmed.
     """
 
     texts: list
@@ -74,6 +79,8 @@ class GenerationResult:
     decode_tok_s: float
     step_ms: list = field(default_factory=list)
     finish_reasons: list = field(default_factory=list)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @property
     def text(self) -> str:
@@ -122,6 +129,10 @@ class Session:
             ``threads`` / ``max_length`` not positive integers.
         GenerationError: ``max_length`` above the export's, unknown ``context_policy``.
     """
+
+    #: whether ``generate(prompt_lookup_num_tokens=...)`` may run multi-token passes over
+    #: this class's cache (subclasses with their own cache layout or per-step state say no)
+    supports_prompt_lookup = True
 
     def __init__(self, folder, device: str = "cpu", threads: Optional[int] = None,
                  max_length: Optional[int] = None, context_policy: str = "error",
@@ -456,7 +467,8 @@ class Session:
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
                  stop: Optional[list] = None, seed: Optional[int] = None,
-                 chat: bool = False) -> GenerationResult:
+                 chat: bool = False, prompt_lookup_num_tokens: int = 0,
+                 max_matching_ngram_size: int = 2) -> GenerationResult:
         """Generate continuations.
 
         Args:
@@ -467,6 +479,16 @@ class Session:
                 (``runtime.sampling.Sampler``; temperature 0 = greedy).
             stop: strings that end a row (the text is cut before them).
             chat: render string prompts with the folder's chat template first.
+            prompt_lookup_num_tokens: ``> 0`` turns on prompt-lookup speculative decoding
+                (:mod:`runtime.lookup`; batch 1, fused graphs): up to this many tokens
+                drafted from an earlier occurrence of the last ``max_matching_ngram_size``
+                tokens and scored in one pass. Every token is still drawn from the
+                model's distribution at its position with the same sampler (same seed,
+                same draws in the same order), so the output is the one without lookup
+                wherever the one-token and the multi-token passes give the same logits
+                (exact for fp32 graphs; int8-activation int4 graphs round activations
+                differently in the two passes, so a near-tie can resolve differently).
+            max_matching_ngram_size: longest suffix n-gram prompt lookup matches (``>= 1``).
 
         Returns:
             :class:`GenerationResult`.
@@ -477,14 +499,17 @@ class Session:
         """
         res = None
         for res, _ in self._iter(prompt, max_new_tokens, temperature, top_k, top_p,
-                                 repetition_penalty, stop, seed, chat)[0]:
+                                 repetition_penalty, stop, seed, chat,
+                                 lookup=(prompt_lookup_num_tokens, max_matching_ngram_size))[0]:
             pass
         return res
 
     def stream(self, prompt: Union[str, Sequence[int]], max_new_tokens: int = 128,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                repetition_penalty: float = 1.0, stop: Optional[list] = None,
-               seed: Optional[int] = None, chat: bool = False) -> Iterator[str]:
+               seed: Optional[int] = None, chat: bool = False,
+               prompt_lookup_num_tokens: int = 0,
+               max_matching_ngram_size: int = 2) -> Iterator[str]:
         """Yield text pieces as they are generated (one prompt, or one conversation as a
         list of ``{"role", "content"}`` messages). Same tokens as :meth:`generate` for the
         same arguments and seed. Arguments are checked at the call (same errors as
@@ -498,7 +523,8 @@ class Session:
                 not isinstance(prompt[0], (int, np.integer, dict)):
             raise GenerationError("stream() takes one prompt", "use generate() for a batch")
         gen, stop = self._iter(prompt, max_new_tokens, temperature, top_k, top_p,
-                               repetition_penalty, stop, seed, chat, streaming=True)
+                               repetition_penalty, stop, seed, chat, streaming=True,
+                               lookup=(prompt_lookup_num_tokens, max_matching_ngram_size))
         return self._stream_text(gen, stop)
 
     def _stream_text(self, gen, stop: list[str]) -> Iterator[str]:
@@ -544,8 +570,9 @@ class Session:
             raise GenerationError("the session is closed", "load the folder again")
 
     def _iter(self, prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty,
-              stop, seed, chat, streaming=False):
+              stop, seed, chat, streaming=False, lookup=(0, 2)):
         self._check_open()
+        lookup = check_lookup_args(*lookup)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
                 or max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be a positive integer, got "
@@ -560,23 +587,44 @@ class Session:
             raise GenerationError(f"stop must be a string or a list of strings, got {stop!r}",
                                   "pass e.g. stop=['\\n\\n']")
         stop = [x for x in (stop or []) if x]
+        if lookup[0]:
+            self._check_lookup(len(prompts))
         # arguments are checked now (an error at the call, not at the first next())
-        return self._locked(prompts, int(max_new_tokens), sampler, stop, streaming, need), stop
+        return self._locked(prompts, int(max_new_tokens), sampler, stop, streaming, need,
+                            lookup), stop
 
-    def _locked(self, prompts, max_new, sampler, stop, streaming, need):
+    def _check_lookup(self, batch: int) -> None:
+        """Prompt lookup needs a fused graph of this class (a multi-token pass over the
+        shared KV buffers) and one row."""
+        if not (self.fused and self.supports_prompt_lookup):
+            raise GenerationError(f"prompt lookup needs a fused GroupQueryAttention export "
+                                  f"served by runtime.Session; this is a "
+                                  f"{'fused' if self.fused else 'plain'} graph served by "
+                                  f"{type(self).__name__}",
+                                  "pass prompt_lookup_num_tokens=0, or re-export with "
+                                  "`edgeprune export --graph fused` (no LeanK / COUNTDOWN)")
+        if batch != 1:
+            raise GenerationError(f"prompt lookup decodes one row at a time, got a batch of {batch}",
+                                  "generate the rows one by one, or pass prompt_lookup_num_tokens=0")
+
+    def _locked(self, prompts, max_new, sampler, stop, streaming, need, lookup=(0, 2)):
         me = threading.get_ident()
         self._acquire()
         try:
             if streaming:
                 self._stream_thread = me
-            yield from self._loop(prompts, max_new, sampler, stop, streaming, need)
+            yield from self._loop(prompts, max_new, sampler, stop, streaming, need, lookup)
         finally:
             if streaming:
                 self._stream_thread = None
             self._release()
 
-    def _loop(self, prompts, max_new, sampler, stop, streaming, need=None):
+    def _loop(self, prompts, max_new, sampler, stop, streaming, need=None, lookup=(0, 2)):
         B = len(prompts)
+        # prompt lookup: tokens already chosen (and, but for the last, already cached) by
+        # a verification pass, emitted one per step below before the next forward pass
+        queued: list[int] = []
+        drafted = accepted = 0
         eos = set(self.eos_token_ids)
         gen: list[list[int]] = [[] for _ in range(B)]
         seen = [list(p) for p in prompts]                       # for repetition penalty
@@ -592,7 +640,10 @@ class Session:
         t_dec0 = None
         for step in range(max_new):
             ts = time.perf_counter()
-            nxt = sampler(logits, seen if sampler.repetition_penalty != 1.0 else None)
+            if queued:
+                nxt = [queued.pop(0)]
+            else:
+                nxt = sampler(logits, seen if sampler.repetition_penalty != 1.0 else None)
             for b in range(B):
                 if done[b]:
                     continue
@@ -614,19 +665,72 @@ class Session:
                 t_dec0 = time.perf_counter()
             if streaming:
                 yield self._result(prompts, gen, texts, ttft, t_prefill, t_dec0, step_ms,
-                                   reasons), False
+                                   reasons, drafted, accepted), False
             if all(done) or step == max_new - 1:
                 break
+            if queued:          # confirmed by the last verification pass: no forward pass
+                step_ms.append((time.perf_counter() - ts) * 1e3)
+                continue
             feed = np.array([gen[b][-1] if gen[b] else self.pad_token_id for b in range(B)],
                             np.int64)
-            logits = self._decode_step(state, feed)
+            draft = None
+            if lookup[0]:
+                # at most the tokens still to generate after the fed one, and what the cache holds
+                room = min(max_new - step - 2, state["cache"].max_length - int(state["lens"][0]) - 1)
+                draft = find_draft(np.asarray(seen[0], np.int64), lookup[1], min(lookup[0], room))
+            if draft is not None and len(draft):
+                queued = self._verify(state, int(feed[0]), draft, sampler, seen[0])
+                drafted += len(draft)
+                accepted += len(queued) - 1
+            else:
+                logits = self._decode_step(state, feed)
             step_ms.append((time.perf_counter() - ts) * 1e3)
         if not stop:
             texts = [self.tokenizer.decode(g) for g in gen]
         yield self._result(prompts, gen, texts, ttft, t_prefill, t_dec0, step_ms,
-                           reasons), True
+                           reasons, drafted, accepted), True
 
-    def _result(self, prompts, gen, texts, ttft, t_prefill, t_dec0, step_ms, reasons):
+    def _verify(self, st, fed: int, draft: np.ndarray, sampler: Sampler,
+                seen: list[int]) -> list[int]:
+        """One speculative pass (batch 1, fused graph): the fed token and the ``k`` draft
+        tokens go through the graph at once (``1 + k`` positions written to the shared KV
+        buffers, ``1 + k`` logits rows kept); the sampler then draws position by position
+        (the repetition penalty seeing the tokens before each), keeping draft tokens while
+        its draw equals them (Leviathan et al. 2023 with a one-hot draft). The cache stays
+        valid up to the fed token and the kept drafts; the rows written past them are
+        never attended (``seqlens_k``) and are overwritten by the next pass.
+
+        Args:
+            st: the decode state of :meth:`_prefill`.
+            fed: the token to feed (the last one generated, not yet cached).
+            draft: ``[k]`` int64 draft ids, ``k >= 1``, fitting in the cache.
+            sampler: the generation's sampler (its seeded draws are consumed in order).
+            seen: the row's ids so far, ``fed`` included (for the repetition penalty).
+
+        Returns:
+            The tokens chosen, ``1 <= n <= k + 1``: the first ``n - 1`` are the confirmed
+            drafts (cached), the last is the model's own next token (not cached yet).
+        """
+        self._check_not_closed_mid_generation()
+        k = len(draft)
+        lens = st["lens"]
+        ids = np.concatenate([[fed], draft]).astype(np.int64)[None, :]
+        logits = self._run_fused(ids, np.array([lens[0] + k], np.int32), int(lens[0]) + k + 1,
+                                 k + 1, st["cache"])[0]
+        penalty = sampler.repetition_penalty != 1.0
+        chosen: list[int] = []
+        for i in range(k + 1):
+            t = int(sampler(logits[i:i + 1], [seen + chosen] if penalty else None)[0])
+            chosen.append(t)
+            if i == k or t != int(draft[i]):
+                break
+        # cached now: the fed token and the confirmed drafts (all chosen but the last)
+        st["tokens"][0].extend([fed] + chosen[:-1])
+        lens += len(chosen)
+        return chosen
+
+    def _result(self, prompts, gen, texts, ttft, t_prefill, t_dec0, step_ms, reasons,
+                drafted=0, accepted=0):
         dec_s = time.perf_counter() - t_dec0 if t_dec0 else 0.0
         n_dec = max(len(g) for g in gen) - 1 if gen else 0
         return GenerationResult(
@@ -634,7 +738,8 @@ class Session:
             prompt_tokens=[len(p) for p in prompts], ttft_ms=(ttft or 0.0) * 1e3,
             prefill_tok_s=sum(len(p) for p in prompts) / max(t_prefill, 1e-9),
             decode_tok_s=(n_dec / dec_s) if (dec_s > 0 and n_dec > 0) else 0.0,
-            step_ms=list(step_ms), finish_reasons=list(reasons))
+            step_ms=list(step_ms), finish_reasons=list(reasons), draft_tokens=drafted,
+            accepted_draft_tokens=accepted)
 
     # ----------------------------------------------------- fused prefill/decode
     def _cache(self, B: int, need: Optional[int] = None) -> SharedKVCache:

@@ -405,6 +405,45 @@ def test_cli_errors_name_flags_not_python_arguments(tmp_path, capsys):
     assert "threads=" not in err
 
 
+def test_generate_prompt_lookup_flags(monkeypatch, capsys, tmp_path):
+    """`--prompt-lookup-num-tokens` / `--max-matching-ngram-size` reach the runtime, and a
+    bad value is a one-line error naming the flag."""
+    import runtime
+
+    seen = {}
+
+    class Fake:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def stream(self, prompt, **kw):
+            seen.update(kw)
+            yield "ok"
+
+    monkeypatch.setattr(runtime, "load", lambda *a, **kw: Fake())
+    code, out, err = run_cli(["generate", "somewhere", "hi", "--prompt-lookup-num-tokens", "5",
+                              "--max-matching-ngram-size", "3"], capsys)
+    assert code == 0, err
+    assert seen["prompt_lookup_num_tokens"] == 5 and seen["max_matching_ngram_size"] == 3
+    code, out, err = run_cli(["generate", "somewhere", "hi"], capsys)
+    assert seen["prompt_lookup_num_tokens"] == 0 and seen["max_matching_ngram_size"] == 2
+    monkeypatch.undo()
+    from runtime.lookup import check_lookup_args
+
+    class Checking(Fake):
+        def stream(self, prompt, **kw):
+            check_lookup_args(kw["prompt_lookup_num_tokens"], kw["max_matching_ngram_size"])
+            yield "ok"
+
+    monkeypatch.setattr(runtime, "load", lambda *a, **kw: Checking())
+    code, _, err = run_cli(["generate", "somewhere", "hi", "--prompt-lookup-num-tokens", "-2"], capsys)
+    one_line_error(code, err, "--prompt-lookup-num-tokens 4")
+    assert "prompt_lookup_num_tokens=" not in err
+
+
 def test_console_prints_brackets_as_they_are(model_dir, tmp_path, capsys):
     """Paths and protocol labels with square brackets print verbatim (rich read them as
     markup: '[v2]' and '[heldout]' vanished, and '[/x]' in a path crashed a finished
