@@ -343,25 +343,33 @@ def test_the_alias_file_is_protected_like_a_path():
         check_out_dir(gguf.parent, [local_source("smollm2-135m")], True)
 
 
+class _FakeSession:
+    """Stands in for ``runtime.load(...)``: records the keyword arguments ``stream`` got
+    (in ``seen``), runs ``check`` on them, and yields ``"ok"``."""
+
+    def __init__(self, seen, check=None):
+        self.seen, self.check = seen, check
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def stream(self, prompt, **kw):
+        self.seen.update(kw)
+        if self.check:
+            self.check(kw)
+        yield "ok"
+
+
 def test_generate_stop_understands_typed_escapes(monkeypatch, capsys):
     """`--stop '\\n\\n'` (a shell passes backslash + n) stops at a blank line, as the README
     shows; other backslashes stay as typed."""
     import runtime
 
     seen = {}
-
-    class Fake:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def stream(self, prompt, **kw):
-            seen.update(kw)
-            yield "ok"
-
-    monkeypatch.setattr(runtime, "load", lambda *a, **kw: Fake())
+    monkeypatch.setattr(runtime, "load", lambda *a, **kw: _FakeSession(seen))
     code, out, err = run_cli(["generate", "somewhere", "hi", "--stop", "\\n\\n", "--stop", "a\\tb",
                               "--stop", "C:\\x"], capsys)
     assert code == 0, err
@@ -409,36 +417,18 @@ def test_generate_prompt_lookup_flags(monkeypatch, capsys, tmp_path):
     """`--prompt-lookup-num-tokens` / `--max-matching-ngram-size` reach the runtime, and a
     bad value is a one-line error naming the flag."""
     import runtime
+    from runtime.lookup import check_lookup_args
 
     seen = {}
-
-    class Fake:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def stream(self, prompt, **kw):
-            seen.update(kw)
-            yield "ok"
-
-    monkeypatch.setattr(runtime, "load", lambda *a, **kw: Fake())
+    monkeypatch.setattr(runtime, "load", lambda *a, **kw: _FakeSession(seen))
     code, out, err = run_cli(["generate", "somewhere", "hi", "--prompt-lookup-num-tokens", "5",
                               "--max-matching-ngram-size", "3"], capsys)
     assert code == 0, err
     assert seen["prompt_lookup_num_tokens"] == 5 and seen["max_matching_ngram_size"] == 3
     code, out, err = run_cli(["generate", "somewhere", "hi"], capsys)
     assert seen["prompt_lookup_num_tokens"] == 0 and seen["max_matching_ngram_size"] == 2
-    monkeypatch.undo()
-    from runtime.lookup import check_lookup_args
-
-    class Checking(Fake):
-        def stream(self, prompt, **kw):
-            check_lookup_args(kw["prompt_lookup_num_tokens"], kw["max_matching_ngram_size"])
-            yield "ok"
-
-    monkeypatch.setattr(runtime, "load", lambda *a, **kw: Checking())
+    check = lambda kw: check_lookup_args(kw["prompt_lookup_num_tokens"], kw["max_matching_ngram_size"])  # noqa: E731
+    monkeypatch.setattr(runtime, "load", lambda *a, **kw: _FakeSession(seen, check))
     code, _, err = run_cli(["generate", "somewhere", "hi", "--prompt-lookup-num-tokens", "-2"], capsys)
     one_line_error(code, err, "--prompt-lookup-num-tokens 4")
     assert "prompt_lookup_num_tokens=" not in err
