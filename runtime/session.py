@@ -641,6 +641,8 @@ class Session:
         for step in range(max_new):
             ts = time.perf_counter()
             if queued:
+                # a confirmed draft needs no forward pass, but a closed session stops here too
+                self._check_not_closed_mid_generation()
                 nxt = [queued.pop(0)]
             else:
                 nxt = sampler(logits, seen if sampler.repetition_penalty != 1.0 else None)

@@ -161,3 +161,23 @@ def test_lookup_refuses_what_it_cannot_serve(folders):
     with runtime.load(f["plain"]) as s:
         with pytest.raises(GenerationError, match="fused GroupQueryAttention export"):
             s.generate(ids, max_new_tokens=4, prompt_lookup_num_tokens=2)
+
+
+def test_close_mid_generation_stops_confirmed_drafts_too(folders):
+    """close() during a generation stops it at the next token, also when the tokens left
+    were already confirmed by a verification pass (no forward pass needed for them): they
+    used to be emitted from a closed session, and a generation they completed ended
+    normally."""
+    _, f = folders
+    ids = _repetitive()
+    with runtime.load(f["fused"]) as s:
+        s.eos_token_ids = []
+        loop = ids + s.generate(ids, max_new_tokens=44).token_ids[0]     # the model's loop
+    for k in (0, 8):
+        s = runtime.load(f["fused"])
+        s.eos_token_ids = []
+        it = s.stream(loop, max_new_tokens=6, prompt_lookup_num_tokens=k)
+        next(it), next(it)
+        s.close()
+        with pytest.raises(GenerationError, match="closed during generation"):
+            list(it)
