@@ -18,16 +18,22 @@ distribution is the model's, and greedy output is the argmax chain.
 
 It pays where text repeats its context: summaries, extraction, code edits, chat that
 quotes the prompt, and the loops small models fall into. Where no n-gram matches, the
-step is an ordinary one-token decode step.
+step is an ordinary one-token decode step. A rejected draft token still costs its share
+of the pass (on a CPU the multi-token pass is compute-bound: ~30 % of a one-token step
+per extra token at one thread on a Zen 3), so the draft length adapts
+(:func:`adapt_draft_len`) and a cost gate measured on the run itself decides whether a
+draft is worth a pass at all (:class:`DraftController`).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from .errors import GenerationError
 
-__all__ = ["find_draft", "check_lookup_args"]
+__all__ = ["find_draft", "check_lookup_args", "adapt_draft_len", "DraftController"]
 
 
 def check_lookup_args(prompt_lookup_num_tokens, max_matching_ngram_size) -> tuple[int, int]:
@@ -85,3 +91,108 @@ def find_draft(tokens: np.ndarray, max_ngram_size: int, num_tokens: int) -> np.n
             start = int(hits[-1]) + n
             return t[start:start + int(num_tokens)].copy()
     return t[:0]
+
+
+def adapt_draft_len(current: int, maximum: int, drafted: int, accepted: int) -> int:
+    """The draft length for the next pass: two longer after a pass that confirmed its whole
+    draft, one shorter (at least 1) after one that did not, never above ``maximum`` (the
+    "heuristic" schedule of Hugging Face assisted generation,
+    ``num_assistant_tokens_schedule="heuristic"``). Long drafts then run while the text
+    repeats and short ones where it drifts, so a large ``maximum`` costs little on text
+    that rarely matches.
+
+    Args:
+        current: the length the last pass was allowed (``>= 1``).
+        maximum: the user's ``prompt_lookup_num_tokens`` (``>= 1``).
+        drafted: draft tokens the last pass scored (``>= 1``; a draft may be shorter than
+            ``current`` when the match ran out).
+        accepted: of those, the confirmed ones.
+
+    Returns:
+        The next pass's allowed draft length, in ``[1, maximum]``.
+    """
+    if accepted >= drafted:
+        return min(int(maximum), int(current) + 2)
+    return max(1, int(current) - 1)
+
+
+class DraftController:
+    """How many draft tokens the next pass should carry: the :func:`adapt_draft_len`
+    schedule, capped by a cost gate from the run's own timings.
+
+    With ``q`` the chance that a draft token is confirmed (each, given the ones before),
+    ``t1`` the time of a one-token step and ``c`` the extra time a draft token adds to a
+    pass, the ``i``-th draft token saves ``q**i * t1`` on average and costs ``c``, so the
+    pass should carry ``k* = floor(log(c / t1) / log(q))`` of them, none when
+    ``q <= c / t1``: drafting would slow decoding down. ``t1`` and ``c`` are exponential
+    moving averages of the measured forward passes (``c / t1`` starts at 0.3, what a pass
+    costs per extra token at one thread on a 2-core Zen 3; at two it is ~0.1); ``q`` is a
+    decayed count of confirmed over tried draft tokens, starting at 1/2 and also fed, while
+    the gate keeps drafts off, by whether the would-be first draft token was the token
+    the model then chose (free to check), so drafting comes back when the text starts to
+    repeat.
+
+    Args:
+        maximum: the user's ``prompt_lookup_num_tokens`` (``>= 1``).
+    """
+
+    #: c / t1 before both have been measured
+    PRIOR_COST_RATIO = 0.3
+    #: weight of the newest timing in the moving averages
+    ALPHA = 0.2
+    #: decay of the confirmation counts per observed draft token (~20-token memory)
+    DECAY = 0.95
+
+    def __init__(self, maximum: int):
+        self.maximum = int(maximum)
+        self.scheduled = int(maximum)
+        self.hits, self.tries = 1.0, 2.0
+        self.t_step: float | None = None      # seconds, one-token step
+        self.t_extra: float | None = None     # seconds per draft token in a pass
+
+    @property
+    def confirm_rate(self) -> float:
+        """``q``: the estimated chance that a draft token is confirmed."""
+        return self.hits / self.tries
+
+    @property
+    def cost_ratio(self) -> float:
+        """``c / t1``: a draft token's share of a one-token step."""
+        if self.t_step and self.t_extra is not None:
+            return max(self.t_extra / self.t_step, 1e-3)
+        return self.PRIOR_COST_RATIO
+
+    def next_len(self) -> int:
+        """Draft tokens for the next pass, ``0 <= k <= maximum`` (0: a plain step)."""
+        q, r = self.confirm_rate, self.cost_ratio
+        if q <= r:
+            return 0
+        best = self.maximum if q >= 1.0 else int(math.log(r) / math.log(q))
+        return max(0, min(self.scheduled, best))
+
+    def _count(self, confirmed: int, tried: int) -> None:
+        for i in range(tried):
+            self.hits = self.hits * self.DECAY + (1.0 if i < confirmed else 0.0)
+            self.tries = self.tries * self.DECAY + 1.0
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.ALPHA) * old + self.ALPHA * new
+
+    def observe_pass(self, drafted: int, accepted: int, seconds: float) -> None:
+        """A verification pass of ``drafted`` tokens confirmed ``accepted`` in ``seconds``."""
+        self.scheduled = adapt_draft_len(self.scheduled, self.maximum, drafted, accepted)
+        # tried: the confirmed ones and the first rejected one (the rest says nothing)
+        self._count(accepted, min(drafted, accepted + 1))
+        if self.t_step:
+            extra = max(seconds - self.t_step, 0.0) / drafted
+            if extra < 4 * self.t_step:               # not a pause of the machine
+                self.t_extra = self._ema(self.t_extra, extra)
+
+    def observe_step(self, seconds: float) -> None:
+        """A one-token step took ``seconds``."""
+        if self.t_step is None or seconds < 4 * self.t_step:     # a re-prefill is no step
+            self.t_step = self._ema(self.t_step, seconds)
+
+    def observe_guess(self, right: bool) -> None:
+        """A draft kept off by the gate would have had its first token ``right``."""
+        self._count(1 if right else 0, 1)

@@ -43,7 +43,7 @@ import onnxruntime as ort
 from .errors import GenerationError, RuntimeLoadError
 from .hugepages import collapse_resident, resident_stretches
 from .kv_cache import ConcatKVCache, KVSpec, SharedKVCache
-from .lookup import check_lookup_args, find_draft
+from .lookup import DraftController, check_lookup_args, find_draft
 from .sampling import Sampler
 from .tokenizer import Tokenizer
 
@@ -482,7 +482,10 @@ class Session:
             prompt_lookup_num_tokens: ``> 0`` turns on prompt-lookup speculative decoding
                 (:mod:`runtime.lookup`; batch 1, fused graphs): up to this many tokens
                 drafted from an earlier occurrence of the last ``max_matching_ngram_size``
-                tokens and scored in one pass. Every token is still drawn from the
+                tokens and scored in one pass (the length adapts: two more after a fully
+                confirmed draft, one fewer after a rejection, none while the measured
+                cost of a draft token outweighs its chance of being confirmed:
+                :class:`runtime.lookup.DraftController`). Every token is still drawn from the
                 model's distribution at its position with the same sampler (same seed,
                 same draws in the same order), so the output is the one without lookup
                 wherever the one-token and the multi-token passes give the same logits
@@ -625,6 +628,8 @@ class Session:
         # a verification pass, emitted one per step below before the next forward pass
         queued: list[int] = []
         drafted = accepted = 0
+        ctrl = DraftController(lookup[0]) if lookup[0] else None
+        guess = None          # a gated-off draft's first token, checked against the next choice
         eos = set(self.eos_token_ids)
         gen: list[list[int]] = [[] for _ in range(B)]
         seen = [list(p) for p in prompts]                       # for repetition penalty
@@ -646,6 +651,9 @@ class Session:
                 nxt = [queued.pop(0)]
             else:
                 nxt = sampler(logits, seen if sampler.repetition_penalty != 1.0 else None)
+                if guess is not None:
+                    ctrl.observe_guess(int(nxt[0]) == guess)
+                    guess = None
             for b in range(B):
                 if done[b]:
                     continue
@@ -676,16 +684,23 @@ class Session:
             feed = np.array([gen[b][-1] if gen[b] else self.pad_token_id for b in range(B)],
                             np.int64)
             draft = None
-            if lookup[0]:
+            if ctrl is not None:
                 # at most the tokens still to generate after the fed one, and what the cache holds
                 room = min(max_new - step - 2, state["cache"].max_length - int(state["lens"][0]) - 1)
-                draft = find_draft(np.asarray(seen[0], np.int64), lookup[1], min(lookup[0], room))
+                k = min(ctrl.next_len(), room)
+                draft = find_draft(np.asarray(seen[0], np.int64), lookup[1], max(k, 1 if room > 0 else 0))
+                if k == 0 and len(draft):         # gated off: remember the guess, step plainly
+                    guess, draft = int(draft[0]), draft[:0]
+            tf = time.perf_counter()
             if draft is not None and len(draft):
                 queued = self._verify(state, int(feed[0]), draft, sampler, seen[0])
                 drafted += len(draft)
                 accepted += len(queued) - 1
+                ctrl.observe_pass(len(draft), len(queued) - 1, time.perf_counter() - tf)
             else:
                 logits = self._decode_step(state, feed)
+                if ctrl is not None:
+                    ctrl.observe_step(time.perf_counter() - tf)
             step_ms.append((time.perf_counter() - ts) * 1e3)
         if not stop:
             texts = [self.tokenizer.decode(g) for g in gen]

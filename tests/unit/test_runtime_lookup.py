@@ -9,7 +9,7 @@ import torch
 import exporters
 import runtime
 from runtime.errors import GenerationError
-from runtime.lookup import check_lookup_args, find_draft
+from runtime.lookup import DraftController, adapt_draft_len, check_lookup_args, find_draft
 
 from _h3_tiny import rand_ids, tiny_tokenizer
 
@@ -31,6 +31,14 @@ def test_find_draft_takes_the_most_recent_longest_match():
     assert find_draft(np.array([4]), 2, 4).tolist() == []
     assert find_draft(np.array([4, 4]), 2, 0).tolist() == []
     assert find_draft(np.array([4, 4]), 2, 3).tolist() == [4]
+
+
+def test_draft_length_schedule():
+    assert adapt_draft_len(4, 8, drafted=4, accepted=4) == 6          # all confirmed: +2
+    assert adapt_draft_len(7, 8, drafted=7, accepted=7) == 8          # capped
+    assert adapt_draft_len(6, 8, drafted=3, accepted=3) == 8          # a short match, all kept
+    assert adapt_draft_len(6, 8, drafted=6, accepted=2) == 5          # a rejection: -1
+    assert adapt_draft_len(1, 8, drafted=1, accepted=0) == 1          # never below 1
 
 
 def test_lookup_arguments_are_checked():
@@ -70,8 +78,16 @@ def _torch_greedy(model, ids, n):
     return out[0, len(ids):].tolist()
 
 
+@pytest.fixture
+def no_gate(monkeypatch):
+    """Draft whenever the schedule allows: the cost gate (whose figures on a tiny model are
+    all Python overhead) would keep most drafts off, and the output must not depend on
+    which steps draft, so these tests exercise as many passes as they can."""
+    monkeypatch.setattr(DraftController, "next_len", lambda self: self.scheduled)
+
+
 @pytest.mark.parametrize("k", [1, 3, 8])
-def test_greedy_lookup_equals_plain_and_torch(folders, k):
+def test_greedy_lookup_equals_plain_and_torch(folders, k, no_gate):
     model, f = folders
     ids = _repetitive()
     with runtime.load(f["fused"]) as s:
@@ -96,7 +112,7 @@ def test_greedy_lookup_equals_plain_and_torch(folders, k):
         assert eight.draft_tokens > 0 and eight.token_ids == ref
 
 
-def test_sampling_with_lookup_draws_what_plain_decoding_draws(folders):
+def test_sampling_with_lookup_draws_what_plain_decoding_draws(folders, no_gate):
     """Same seed, same sampler: every position's draw comes from the same distribution
     with the same uniform, so the tokens are the plain run's (fp32 graph)."""
     _, f = folders
@@ -115,7 +131,7 @@ def test_sampling_with_lookup_draws_what_plain_decoding_draws(folders):
         assert text == got.text
 
 
-def test_lookup_respects_context_stop_and_eos(folders):
+def test_lookup_respects_context_stop_and_eos(folders, no_gate):
     model, f = folders
     ids = _repetitive(20, seed=5)
     # the cache exactly full at the end: drafts are cut to what it holds
@@ -163,7 +179,7 @@ def test_lookup_refuses_what_it_cannot_serve(folders):
             s.generate(ids, max_new_tokens=4, prompt_lookup_num_tokens=2)
 
 
-def test_close_mid_generation_stops_confirmed_drafts_too(folders):
+def test_close_mid_generation_stops_confirmed_drafts_too(folders, no_gate):
     """close() during a generation stops it at the next token, also when the tokens left
     were already confirmed by a verification pass (no forward pass needed for them): they
     used to be emitted from a closed session, and a generation they completed ended
@@ -181,3 +197,81 @@ def test_close_mid_generation_stops_confirmed_drafts_too(folders):
         s.close()
         with pytest.raises(GenerationError, match="closed during generation"):
             list(it)
+
+
+def test_draft_length_adapts_pass_by_pass(folders, monkeypatch, no_gate):
+    """Each pass drafts at most what the schedule allows after the previous pass: the
+    full prompt_lookup_num_tokens after confirmed drafts, fewer after rejections."""
+    import runtime.session as rs
+    _, f = folders
+    ids = _repetitive()
+    asked, passes = [], []
+    real_find, real_verify = rs.find_draft, rs.Session._verify
+
+    def find(tokens, n, num):
+        asked.append(num)
+        return real_find(tokens, n, num)
+
+    def verify(self, st, fed, draft, sampler, seen):
+        out = real_verify(self, st, fed, draft, sampler, seen)
+        passes.append((len(asked) - 1, len(draft), len(out) - 1))
+        return out
+
+    monkeypatch.setattr(rs, "find_draft", find)
+    monkeypatch.setattr(rs.Session, "_verify", verify)
+    with runtime.load(f["fused"]) as s:
+        s.eos_token_ids = []
+        r = s.generate(ids, max_new_tokens=80, prompt_lookup_num_tokens=6)
+    assert asked[0] == 6 and r.draft_tokens == sum(p[1] for p in passes)
+    rejected = [p for p in passes if p[2] < p[1]]
+    assert rejected and any(p[2] == p[1] for p in passes)     # both kinds of pass happened
+    allowed = 6
+    for i, n in enumerate(asked):
+        assert n <= allowed                      # (less near the end: room left)
+        done = [p for p in passes if p[0] == i]
+        if done:
+            allowed = adapt_draft_len(allowed, 6, done[0][1], done[0][2])
+    assert min(asked[1:]) < 6
+
+
+def test_cost_gate_turns_drafting_off_and_back_on():
+    c = DraftController(8)
+    # q = 1/2, prior c/t1 = 0.3: one draft token is worth it (0.5 > 0.3), two not (0.25)
+    assert c.next_len() == 1
+    c.observe_step(0.010)                          # a one-token step: 10 ms
+    c.observe_pass(8, 8, 0.010 + 8 * 0.001)        # all confirmed, 1 ms per draft token
+    assert abs(c.cost_ratio - 0.1) < 1e-9 and c.next_len() == 8
+    lens = []
+    for _ in range(60):                            # the text stops repeating
+        lens.append(c.next_len())
+        c.observe_pass(1, 0, 0.011)
+    # one fewer after each rejection, down to 1, then none once q < c / t1
+    assert lens[:4] == [8, 7, 6, 5] and 1 in lens and lens[-1] == 0
+    assert all(a >= b for a, b in zip(lens, lens[1:]))
+    assert c.confirm_rate < c.cost_ratio and c.next_len() == 0
+    for _ in range(40):                            # the gated-off guesses start coming true
+        c.observe_guess(True)
+    assert c.confirm_rate > 0.8 and c.next_len() >= 1
+    # expensive draft tokens (a pass of 1 costs 1.5 steps): only a sure draft is worth it
+    d = DraftController(4)
+    d.observe_step(0.010)
+    d.observe_pass(2, 1, 0.020)                    # 5 ms per draft token
+    assert d.cost_ratio == pytest.approx(0.5) and d.next_len() == 0      # q ~ 0.5
+    for _ in range(20):
+        d.observe_guess(True)
+    assert d.next_len() >= 1
+    # a re-prefill inside a "step" (sliding window) is not a step time
+    d.observe_step(1.0)
+    assert d.t_step == pytest.approx(0.010)
+
+
+def test_cost_gate_keeps_the_output(folders):
+    """With the gate on (the default) drafts are fewer, the tokens the same."""
+    _, f = folders
+    ids = _repetitive()
+    with runtime.load(f["fused"]) as s:
+        s.eos_token_ids = []
+        loop = ids + s.generate(ids, max_new_tokens=44).token_ids[0]
+        plain = s.generate(loop, max_new_tokens=60, temperature=0.6, seed=4)
+        got = s.generate(loop, max_new_tokens=60, temperature=0.6, seed=4, prompt_lookup_num_tokens=6)
+    assert got.token_ids == plain.token_ids and got.draft_tokens > 0
