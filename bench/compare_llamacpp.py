@@ -237,8 +237,10 @@ def worker_quantize(src: str, dst: str, ftype: str) -> dict:
 # driver (runs in the project's venv)
 # ---------------------------------------------------------------------------------------------
 
-def _spawn(py: str, mode: str, args: list, timeout: float) -> dict:
-    cmd = [py, str(Path(__file__).resolve()), "--worker", mode, *map(str, args)]
+def _spawn(py: str, mode: str, args: list, timeout: float, script: str | None = None) -> dict:
+    """Run ``script --worker mode args`` (default: this file) with ``py``; its last stdout
+    line parsed as JSON, or ``{"error": ...}``."""
+    cmd = [py, str(Path(script or __file__).resolve()), "--worker", mode, *map(str, args)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(ROOT))

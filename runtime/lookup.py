@@ -126,7 +126,9 @@ class DraftController:
     pass should carry ``k* = floor(log(c / t1) / log(q))`` of them, none when
     ``q <= c / t1``: drafting would slow decoding down. ``t1`` and ``c`` are exponential
     moving averages of the measured forward passes (``c / t1`` starts at 0.3, what a pass
-    costs per extra token at one thread on a 2-core Zen 3; at two it is ~0.1); ``q`` is a
+    costs per extra token at one thread on a 2-core Zen 3 at short context; at two it is
+    ~0.1). Since a draft can be found at nearly every step, ``t1`` is probed: the first
+    step, and one in every :attr:`PROBE_EVERY` tokens, is a plain one-token step. ``q`` is a
     decayed count of confirmed over tried draft tokens, starting at 1/2 and also fed, while
     the gate keeps drafts off, by whether the would-be first draft token was the token
     the model then chose (free to check), so drafting comes back when the text starts to
@@ -142,6 +144,8 @@ class DraftController:
     ALPHA = 0.2
     #: decay of the confirmation counts per observed draft token (~20-token memory)
     DECAY = 0.95
+    #: a plain step (to time ``t1``, which grows with the context) at least this often, in tokens
+    PROBE_EVERY = 48
 
     def __init__(self, maximum: int):
         self.maximum = int(maximum)
@@ -149,6 +153,7 @@ class DraftController:
         self.hits, self.tries = 1.0, 2.0
         self.t_step: float | None = None      # seconds, one-token step
         self.t_extra: float | None = None     # seconds per draft token in a pass
+        self.since_step = 0                   # tokens generated since the last plain step
 
     @property
     def confirm_rate(self) -> float:
@@ -164,6 +169,8 @@ class DraftController:
 
     def next_len(self) -> int:
         """Draft tokens for the next pass, ``0 <= k <= maximum`` (0: a plain step)."""
+        if self.t_step is None or self.since_step >= self.PROBE_EVERY:
+            return 0
         q, r = self.confirm_rate, self.cost_ratio
         if q <= r:
             return 0
@@ -181,6 +188,7 @@ class DraftController:
     def observe_pass(self, drafted: int, accepted: int, seconds: float) -> None:
         """A verification pass of ``drafted`` tokens confirmed ``accepted`` in ``seconds``."""
         self.scheduled = adapt_draft_len(self.scheduled, self.maximum, drafted, accepted)
+        self.since_step += accepted + 1
         # tried: the confirmed ones and the first rejected one (the rest says nothing)
         self._count(accepted, min(drafted, accepted + 1))
         if self.t_step:
@@ -190,6 +198,7 @@ class DraftController:
 
     def observe_step(self, seconds: float) -> None:
         """A one-token step took ``seconds``."""
+        self.since_step = 0
         if self.t_step is None or seconds < 4 * self.t_step:     # a re-prefill is no step
             self.t_step = self._ema(self.t_step, seconds)
 

@@ -236,9 +236,10 @@ def test_draft_length_adapts_pass_by_pass(folders, monkeypatch, no_gate):
 
 def test_cost_gate_turns_drafting_off_and_back_on():
     c = DraftController(8)
+    assert c.next_len() == 0                       # no one-token step timed yet: probe one
+    c.observe_step(0.010)                          # a one-token step: 10 ms
     # q = 1/2, prior c/t1 = 0.3: one draft token is worth it (0.5 > 0.3), two not (0.25)
     assert c.next_len() == 1
-    c.observe_step(0.010)                          # a one-token step: 10 ms
     c.observe_pass(8, 8, 0.010 + 8 * 0.001)        # all confirmed, 1 ms per draft token
     assert abs(c.cost_ratio - 0.1) < 1e-9 and c.next_len() == 8
     lens = []
@@ -250,6 +251,7 @@ def test_cost_gate_turns_drafting_off_and_back_on():
     assert all(a >= b for a, b in zip(lens, lens[1:]))
     assert c.confirm_rate < c.cost_ratio and c.next_len() == 0
     for _ in range(40):                            # the gated-off guesses start coming true
+        c.observe_step(0.010)                      # (gated off: plain steps)
         c.observe_guess(True)
     assert c.confirm_rate > 0.8 and c.next_len() >= 1
     # expensive draft tokens (a pass of 1 costs 1.5 steps): only a sure draft is worth it
@@ -258,11 +260,23 @@ def test_cost_gate_turns_drafting_off_and_back_on():
     d.observe_pass(2, 1, 0.020)                    # 5 ms per draft token
     assert d.cost_ratio == pytest.approx(0.5) and d.next_len() == 0      # q ~ 0.5
     for _ in range(20):
+        d.observe_step(0.010)
         d.observe_guess(True)
     assert d.next_len() >= 1
     # a re-prefill inside a "step" (sliding window) is not a step time
     d.observe_step(1.0)
     assert d.t_step == pytest.approx(0.010)
+    # a plain step is probed every PROBE_EVERY tokens, however well drafts do
+    e = DraftController(4)
+    e.observe_step(0.010)
+    ks = []
+    for _ in range(40):
+        ks.append(e.next_len())
+        if ks[-1]:
+            e.observe_pass(ks[-1], ks[-1], 0.012)
+        else:
+            e.observe_step(0.010)
+    assert 0 in ks[1:] and ks.count(0) <= 40 * 5 // DraftController.PROBE_EVERY + 1 and max(ks) == 4
 
 
 def test_cost_gate_keeps_the_output(folders):
