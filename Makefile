@@ -36,6 +36,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python bench/compare_methods.py --quick --json bench/results/compare_methods.json
 	$(BIN)/python bench/compare_runtimes.py --quick --json bench/results/compare_runtimes.json
 	$(BIN)/python bench/compare_llamacpp.py --quick --json bench/results/compare_llamacpp.json
+	$(BIN)/python bench/lookup.py --quick --json bench/results/lookup.json
 
 clean:
 	rm -rf runs build *.egg-info .pytest_cache
