@@ -132,7 +132,9 @@ class DraftController:
     decayed count of confirmed over tried draft tokens, starting at 1/2 and also fed, while
     the gate keeps drafts off, by whether the would-be first draft token was the token
     the model then chose (free to check), so drafting comes back when the text starts to
-    repeat.
+    repeat; while it is off, one 1-token pass every :attr:`PROBE_EVERY` steps re-measures
+    ``c`` (one bad measurement must not keep it off), and a draft token is never counted
+    as costing more than a step of its own.
 
     Args:
         maximum: the user's ``prompt_lookup_num_tokens`` (``>= 1``).
@@ -154,6 +156,7 @@ class DraftController:
         self.t_step: float | None = None      # seconds, one-token step
         self.t_extra: float | None = None     # seconds per draft token in a pass
         self.since_step = 0                   # tokens generated since the last plain step
+        self.since_pass = 0                   # plain steps since the last pass
 
     @property
     def confirm_rate(self) -> float:
@@ -172,10 +175,12 @@ class DraftController:
         if self.t_step is None or self.since_step >= self.PROBE_EVERY:
             return 0
         q, r = self.confirm_rate, self.cost_ratio
-        if q <= r:
-            return 0
-        best = self.maximum if q >= 1.0 else int(math.log(r) / math.log(q))
-        return max(0, min(self.scheduled, best))
+        best = 0 if q <= r else self.maximum if q >= 1.0 else int(math.log(r) / math.log(q))
+        if best < 1:
+            # gated off: still one 1-token pass every PROBE_EVERY steps, or a c measured in a
+            # bad moment (a pause of the machine) would keep drafting off for good
+            return 1 if self.since_pass >= self.PROBE_EVERY else 0
+        return min(self.scheduled, best)
 
     def _count(self, confirmed: int, tried: int) -> None:
         for i in range(tried):
@@ -189,16 +194,19 @@ class DraftController:
         """A verification pass of ``drafted`` tokens confirmed ``accepted`` in ``seconds``."""
         self.scheduled = adapt_draft_len(self.scheduled, self.maximum, drafted, accepted)
         self.since_step += accepted + 1
+        self.since_pass = 0
         # tried: the confirmed ones and the first rejected one (the rest says nothing)
         self._count(accepted, min(drafted, accepted + 1))
         if self.t_step:
-            extra = max(seconds - self.t_step, 0.0) / drafted
-            if extra < 4 * self.t_step:               # not a pause of the machine
-                self.t_extra = self._ema(self.t_extra, extra)
+            # a draft token costs at most a step of its own (k tokens could always be k
+            # steps): more is a pause of the machine, counted as that bound
+            extra = min(max(seconds - self.t_step, 0.0) / drafted, self.t_step)
+            self.t_extra = self._ema(self.t_extra, extra)
 
     def observe_step(self, seconds: float) -> None:
         """A one-token step took ``seconds``."""
         self.since_step = 0
+        self.since_pass += 1
         if self.t_step is None or seconds < 4 * self.t_step:     # a re-prefill is no step
             self.t_step = self._ema(self.t_step, seconds)
 

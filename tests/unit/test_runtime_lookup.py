@@ -289,3 +289,23 @@ def test_cost_gate_keeps_the_output(folders):
         plain = s.generate(loop, max_new_tokens=60, temperature=0.6, seed=4)
         got = s.generate(loop, max_new_tokens=60, temperature=0.6, seed=4, prompt_lookup_num_tokens=6)
     assert got.token_ids == plain.token_ids and got.draft_tokens > 0
+
+
+def test_cost_gate_recovers_from_one_slow_pass():
+    """A pass slowed by a pause of the machine must not keep drafting off for good: the
+    per-token cost is bounded by a step, and while gated off a 1-token pass every
+    PROBE_EVERY steps re-measures it (it stayed off for 5,000 perfect guesses)."""
+    c = DraftController(10)
+    c.observe_step(0.016)
+    c.observe_pass(1, 1, 0.016 + 0.060)             # 60 ms late
+    assert c.cost_ratio <= 1.0
+    ks = []
+    for _ in range(300):
+        k = c.next_len()
+        ks.append(k)
+        if k:
+            c.observe_pass(k, k, 0.016 + 0.002 * k)  # the machine is quiet again
+        else:
+            c.observe_step(0.016)
+            c.observe_guess(True)
+    assert sum(ks) > 100 and max(ks) == 10 and c.cost_ratio < 0.3
