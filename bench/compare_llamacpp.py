@@ -148,6 +148,9 @@ def _llamacpp_lookup(gguf: str, threads: int, prompt_len: int, gen_len: int, loo
     ids = (llm.tokenize(PROMPT_TEXT.encode(), add_bos=False, special=False) * 4)[:prompt_len]
 
     def gen(prompt, n):
+        # reset() first: generate(reset=True) keeps a cached prefix of the last prompt (the
+        # warm-up's 16 tokens), and the timed prefill would skip them
+        llm.reset()
         t = time.perf_counter()
         out, stamps = [], []
         for tok in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,

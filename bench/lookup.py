@@ -131,6 +131,7 @@ def worker_llamacpp(gguf: str, threads: int, gen_len: int, lookup: int, ids_json
     eos = llm.token_eos()
 
     def gen(ids, n):
+        llm.reset()          # no prefix kept from the last prompt (generate(reset=True) would)
         out, stamps = [], []
         for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
                                 reset=True):

@@ -62,7 +62,9 @@ class GenerationResult:
             ``"sliding_window"`` policy's cut of a prompt longer than ``max_length``).
         ttft_ms: time to first token (prefill + first sampling), milliseconds.
         prefill_tok_s: prompt tokens (all rows) / prefill seconds.
-        decode_tok_s: generated tokens after the first, per row, / decode seconds.
+        decode_tok_s: generated tokens after the first (longest row) / seconds from the
+            first generated token to the last one kept (a step that produced an
+            end-of-sequence token is not counted).
         step_ms: wall time of every decode step, milliseconds (with prompt lookup: per
             generated token, a verification pass's time on the first token it yields and
             ~0 on the drafted tokens it confirmed).
@@ -642,7 +644,7 @@ class Session:
         logits = state["logits"]
         t_prefill = time.perf_counter() - t0
         ttft = None
-        t_dec0 = None
+        t_dec0 = t_last = None    # decode time: from the first token to the last one kept
         for step in range(max_new):
             ts = time.perf_counter()
             if queued:
@@ -663,6 +665,7 @@ class Session:
                     continue
                 gen[b].append(t)
                 seen[b].append(t)
+                t_last = time.perf_counter()
                 if stop:
                     texts[b] = self.tokenizer.decode(gen[b])
                     if stop:
@@ -672,9 +675,9 @@ class Session:
                             done[b], reasons[b] = True, "stop"
             if ttft is None:
                 ttft = time.perf_counter() - t0
-                t_dec0 = time.perf_counter()
+                t_dec0 = t_last = time.perf_counter()
             if streaming:
-                yield self._result(prompts, gen, texts, ttft, t_prefill, t_dec0, step_ms,
+                yield self._result(prompts, gen, texts, ttft, t_prefill, (t_dec0, t_last), step_ms,
                                    reasons, drafted, accepted), False
             if all(done) or step == max_new - 1:
                 break
@@ -704,7 +707,7 @@ class Session:
             step_ms.append((time.perf_counter() - ts) * 1e3)
         if not stop:
             texts = [self.tokenizer.decode(g) for g in gen]
-        yield self._result(prompts, gen, texts, ttft, t_prefill, t_dec0, step_ms,
+        yield self._result(prompts, gen, texts, ttft, t_prefill, (t_dec0, t_last), step_ms,
                            reasons, drafted, accepted), True
 
     def _verify(self, st, fed: int, draft: np.ndarray, sampler: Sampler,
@@ -746,9 +749,10 @@ class Session:
         lens += len(chosen)
         return chosen
 
-    def _result(self, prompts, gen, texts, ttft, t_prefill, t_dec0, step_ms, reasons,
+    def _result(self, prompts, gen, texts, ttft, t_prefill, t_dec, step_ms, reasons,
                 drafted=0, accepted=0):
-        dec_s = time.perf_counter() - t_dec0 if t_dec0 else 0.0
+        # the pass that produced an end-of-sequence token (dropped) is not decode time
+        dec_s = t_dec[1] - t_dec[0] if t_dec[0] is not None else 0.0
         n_dec = max(len(g) for g in gen) - 1 if gen else 0
         return GenerationResult(
             texts=list(texts), token_ids=[list(g) for g in gen],

@@ -134,6 +134,32 @@ def test_stop_strings_and_eos(folders):
         assert r.token_ids == [[]] and r.finish_reasons == ["eos"]
 
 
+def test_decode_time_ends_at_the_last_kept_token(folders, monkeypatch):
+    """decode_tok_s counts the time from the first to the last token kept: the step whose
+    logits gave the end-of-sequence token (dropped) is not decode time (it was, so a short
+    answer read slower than the same steps ending at max_new_tokens)."""
+    import time as _time
+    _, f = folders
+    with runtime.load(f["fused"]) as s:
+        s.eos_token_ids = []
+        toks = s.generate("abc", max_new_tokens=12).token_ids[0]
+        first = next(i for i in range(3, 12) if toks.index(toks[i]) == i)   # a new token
+        eos = toks[first]
+        s.eos_token_ids = [eos]
+        real, calls = s._decode_step, []
+
+        def slow_last(st, feed):
+            calls.append(1)
+            if len(calls) == first:        # this step's logits give the eos token
+                _time.sleep(0.3)
+            return real(st, feed)
+
+        monkeypatch.setattr(s, "_decode_step", slow_last)
+        r = s.generate("abc", max_new_tokens=12)
+    assert r.token_ids == [toks[:first]] and r.finish_reasons == ["eos"] and first >= 3
+    assert (first - 1) / r.decode_tok_s < 0.1          # seconds of decode: the 0.3 s left out
+
+
 def test_chat_template(folders):
     _, f = folders
     with runtime.load(f["fused"]) as s:
