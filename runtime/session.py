@@ -25,6 +25,11 @@ Context overflow (``context_policy``):
   longer than ``max_length`` is cut to the same window (its last ``max_length // 2``
   tokens; ``GenerationResult.prompt_tokens`` counts what was kept). Never a silent
   overwrite of the cache.
+
+Prompt-lookup speculative decoding (``generate(..., prompt_lookup_num_tokens=K)``, batch 1,
+fused graphs; :mod:`runtime.lookup`): draft tokens found earlier in the sequence are scored
+with the fed token in one multi-token pass over the same shared buffers; the rows written
+past the confirmed drafts are never attended and are overwritten by the next pass.
 """
 
 from __future__ import annotations
