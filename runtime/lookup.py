@@ -133,8 +133,8 @@ class DraftController:
     the gate keeps drafts off, by whether the would-be first draft token was the token
     the model then chose (free to check), so drafting comes back when the text starts to
     repeat; while it is off, one 1-token pass every :attr:`PROBE_EVERY` steps re-measures
-    ``c`` (one bad measurement must not keep it off), and a draft token is never counted
-    as costing more than a step of its own.
+    ``c`` (one bad measurement must not keep it off), and a pass whose draft tokens seem to
+    cost more than a step each (a pause of the machine) is not taken as a measurement.
 
     Args:
         maximum: the user's ``prompt_lookup_num_tokens`` (``>= 1``).
@@ -199,9 +199,10 @@ class DraftController:
         self._count(accepted, min(drafted, accepted + 1))
         if self.t_step:
             # a draft token costs at most a step of its own (k tokens could always be k
-            # steps): more is a pause of the machine, counted as that bound
-            extra = min(max(seconds - self.t_step, 0.0) / drafted, self.t_step)
-            self.t_extra = self._ema(self.t_extra, extra)
+            # steps): more is a pause of the machine, not a cost, and is left out
+            extra = max(seconds - self.t_step, 0.0) / drafted
+            if extra <= self.t_step:
+                self.t_extra = self._ema(self.t_extra, extra)
 
     def observe_step(self, seconds: float) -> None:
         """A one-token step took ``seconds``."""

@@ -297,8 +297,10 @@ def test_cost_gate_recovers_from_one_slow_pass():
     PROBE_EVERY steps re-measures it (it stayed off for 5,000 perfect guesses)."""
     c = DraftController(10)
     c.observe_step(0.016)
-    c.observe_pass(1, 1, 0.016 + 0.060)             # 60 ms late
-    assert c.cost_ratio <= 1.0
+    c.observe_pass(1, 1, 0.016 + 0.060)             # 60 ms late: not a cost
+    assert c.cost_ratio == DraftController.PRIOR_COST_RATIO
+    c.observe_pass(1, 1, 0.016 + 0.012)             # a slow, plausible one: it counts
+    assert c.cost_ratio == pytest.approx(0.75)
     ks = []
     for _ in range(300):
         k = c.next_len()
