@@ -134,31 +134,54 @@ def worker_llamacpp(gguf: str, threads: int, prompt_len: int, gen_len: int, look
             "peak_rss_bytes": _vm_hwm(), "load_s": load_s, "tokens": out[:8]}
 
 
+def llama_lookup_kwargs(lookup: int) -> dict:
+    """``Llama(...)`` arguments for llama-cpp-python's own prompt-lookup speculative
+    decoding with up to ``lookup`` draft tokens (none for 0)."""
+    if not lookup:
+        return {}
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    # a draft model needs every position's logits; llama-cpp-python 0.3.36 forces that but
+    # sizes its score buffer from this argument, so it must be passed
+    return {"logits_all": True,
+            "draft_model": LlamaPromptLookupDecoding(max_ngram_size=2, num_pred_tokens=lookup)}
+
+
+def llama_generate(llm, ids: list, n: int, eos: int | None = None) -> tuple[list, float, list]:
+    """Greedy ``Llama.generate`` of up to ``n`` tokens from a fresh state, stopping before
+    ``eos`` (not kept) when given. ``reset()`` first: ``generate(reset=True)`` keeps a
+    cached prefix of the last prompt, which a timed prefill would skip.
+
+    Returns:
+        ``(tokens, start, stamps)``: the ids, ``time.perf_counter()`` before the call and
+        one ``perf_counter`` stamp per kept token.
+    """
+    llm.reset()
+    t = time.perf_counter()
+    out, stamps = [], []
+    for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                            reset=True):
+        if eos is not None and int(tok) == eos:
+            break
+        stamps.append(time.perf_counter())
+        out.append(int(tok))
+        if len(out) == n:
+            break
+    return out, t, stamps
+
+
 def _llamacpp_lookup(gguf: str, threads: int, prompt_len: int, gen_len: int, lookup: int) -> dict:
     from llama_cpp import Llama
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     t0 = time.perf_counter()
     llm = Llama(model_path=gguf, n_ctx=prompt_len + gen_len + lookup + 8, n_batch=prompt_len,
                 n_ubatch=prompt_len, n_threads=threads, n_threads_batch=threads, verbose=False,
-                # a draft model needs every position's logits; llama-cpp-python 0.3.36 forces
-                # that but sizes its score buffer from this argument, so it must be passed
-                logits_all=True, draft_model=LlamaPromptLookupDecoding(max_ngram_size=2, num_pred_tokens=lookup))
+                **llama_lookup_kwargs(lookup))
     load_s = time.perf_counter() - t0
     ids = (llm.tokenize(PROMPT_TEXT.encode(), add_bos=False, special=False) * 4)[:prompt_len]
 
     def gen(prompt, n):
-        # reset() first: generate(reset=True) keeps a cached prefix of the last prompt (the
-        # warm-up's 16 tokens), and the timed prefill would skip them
-        llm.reset()
-        t = time.perf_counter()
-        out, stamps = [], []
-        for tok in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
-                                reset=True):
-            stamps.append(time.perf_counter())
-            out.append(int(tok))
-            if len(out) == n:
-                break
+        out, t, stamps = llama_generate(llm, prompt, n)
         return out, stamps[0] - t, stamps
 
     gen(ids[:16], 4)  # warm-up

@@ -42,7 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from compare_llamacpp import CACHE, PROMPT_TEXT, _spawn, _vm_hwm, ensure_llamacpp  # noqa: E402
+from compare_llamacpp import (CACHE, PROMPT_TEXT, _spawn, _vm_hwm, ensure_llamacpp,  # noqa: E402
+                              llama_generate, llama_lookup_kwargs)
 
 QUESTIONS = ["Explain why the sky is blue in two short paragraphs.",
              "What are three tips for staying focused while studying?",
@@ -118,35 +119,16 @@ def worker_llamacpp(gguf: str, threads: int, gen_len: int, lookup: int, ids_json
     """llama-cpp-python over every prompt (same ids), greedy ``Llama.generate``, its own
     prompt-lookup draft model when ``lookup`` > 0."""
     from llama_cpp import Llama
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     prompts_ = json.loads(Path(ids_json).read_text())
-    kw = dict(model_path=gguf, n_ctx=max(map(len, prompts_)) + gen_len + lookup + 8, n_batch=512,
-              n_ubatch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
-    if lookup:
-        # llama-cpp-python 0.3.36 sizes its score buffer from logits_all, which a draft model needs
-        kw.update(logits_all=True, draft_model=LlamaPromptLookupDecoding(max_ngram_size=2,
-                                                                          num_pred_tokens=lookup))
-    llm = Llama(**kw)
+    llm = Llama(model_path=gguf, n_ctx=max(map(len, prompts_)) + gen_len + lookup + 8, n_batch=512,
+                n_ubatch=512, n_threads=threads, n_threads_batch=threads, verbose=False,
+                **llama_lookup_kwargs(lookup))
     eos = llm.token_eos()
-
-    def gen(ids, n):
-        llm.reset()          # no prefix kept from the last prompt (generate(reset=True) would)
-        out, stamps = [], []
-        for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
-                                reset=True):
-            if int(tok) == eos:
-                break
-            stamps.append(time.perf_counter())
-            out.append(int(tok))
-            if len(out) == n:
-                break
-        return out, stamps
-
-    gen(prompts_[0][:16], 4)
+    llama_generate(llm, prompts_[0][:16], 4, eos)    # warm-up
     res = []
     for ids in prompts_:
-        out, st = gen(ids, gen_len)
+        out, _, st = llama_generate(llm, ids, gen_len, eos)
         res.append({"decode_tok_s": (len(out) - 1) / (st[-1] - st[0]) if len(out) > 1 else 0.0,
                     "tokens": len(out)})
     return {"prompts": res, "peak_rss_bytes": _vm_hwm()}
