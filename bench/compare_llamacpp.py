@@ -15,10 +15,17 @@ For every case it also reports the machine's measured memory bandwidth (STREAM-s
 ``devices.measure_bandwidth``) and the bandwidth-bound decode limit
 ``bandwidth / weight bytes read per token``, and each decode figure as a fraction of it.
 
+``--prompt-len 128 512 1024`` runs each prompt length (the bench text repeated to exactly
+that many tokens): a decode step reads the whole KV cache besides the weights, so longer
+prompts show how each runtime's attention scales with the context (cases
+``int4_vs_q4_0/p1024/t1`` ...; the bandwidth limit stays the weights-only one).
+
 Usage::
 
     python bench/compare_llamacpp.py --quick --json bench/results/llamacpp.json
     python bench/compare_llamacpp.py --repeat 10          # the PEERS.md protocol
+    python bench/compare_llamacpp.py --repeat 4 --variants default --quants q4_0 \
+        --ppl-windows 0 --prompt-len 128 512 1024        # decode vs context length
 
 JSON records ``{"case", "metric", "ours", "peer", "theirs"}``: case ``int4_vs_q4_0/t1`` ...,
 metrics ``decode_tok_s``, ``prefill_tok_s``, ``peak_rss_mb``, ``bandwidth_fraction`` (medians
@@ -66,6 +73,12 @@ PROMPT_TEXT = (
 # workers (run in fresh processes; must import only what their venv has)
 # ---------------------------------------------------------------------------------------------
 
+def _repeat_to(ids: list, n: int) -> list:
+    """The bench prompt's token ids repeated to exactly ``n`` tokens (a fixed 4 copies gave
+    ~650 tokens at most, so a longer ``--prompt-len`` silently ran a shorter prompt)."""
+    return (list(ids) * (n // max(1, len(ids)) + 1))[:n]
+
+
 def _vm_hwm() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -83,7 +96,7 @@ def worker_ours(folder: str, threads: int, prompt_len: int, gen_len: int, lookup
     s = runtime.load(folder, threads=threads, max_length=prompt_len + gen_len + 8)
     load_s = time.perf_counter() - t0
     s.eos_token_ids = []  # every run makes exactly gen_len tokens
-    ids = (s.tokenizer.encode(PROMPT_TEXT) * 4)[:prompt_len]
+    ids = _repeat_to(s.tokenizer.encode(PROMPT_TEXT), prompt_len)
     s.generate(ids[:16], max_new_tokens=4, prompt_lookup_num_tokens=lookup)  # warm-up
     r = s.generate(ids, max_new_tokens=gen_len, prompt_lookup_num_tokens=lookup)
     assert len(r.token_ids[0]) == gen_len
@@ -107,7 +120,7 @@ def worker_llamacpp(gguf: str, threads: int, prompt_len: int, gen_len: int, look
                 n_threads=threads, n_threads_batch=threads, logits_all=False, verbose=False)
     load_s = time.perf_counter() - t0
     nv = llm.n_vocab()
-    ids = (llm.tokenize(PROMPT_TEXT.encode(), add_bos=False, special=False) * 4)[:prompt_len]
+    ids = _repeat_to(llm.tokenize(PROMPT_TEXT.encode(), add_bos=False, special=False), prompt_len)
 
     def last_logits():
         return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(nv,))
@@ -178,7 +191,7 @@ def _llamacpp_lookup(gguf: str, threads: int, prompt_len: int, gen_len: int, loo
                 n_ubatch=prompt_len, n_threads=threads, n_threads_batch=threads, verbose=False,
                 **llama_lookup_kwargs(lookup))
     load_s = time.perf_counter() - t0
-    ids = (llm.tokenize(PROMPT_TEXT.encode(), add_bos=False, special=False) * 4)[:prompt_len]
+    ids = _repeat_to(llm.tokenize(PROMPT_TEXT.encode(), add_bos=False, special=False), prompt_len)
 
     def gen(prompt, n):
         out, t, stamps = llama_generate(llm, prompt, n)
@@ -319,7 +332,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="2 fresh-process runs per case (< 10 min once built, even on a busy 2-core machine)")
     ap.add_argument("--repeat", type=int, default=None, help="fresh-process runs per case (default 10, quick 2)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, nargs="+", default=[128],
+                    help="prompt tokens; several values run each (cases other than 128 get a "
+                         "/pN suffix, e.g. int4_vs_q4_0/p1024/t1)")
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--quants", nargs="+", default=["q4_0", "q4_1"], help="llama.cpp quantizations")
     ap.add_argument("--ours", default=None, help="our export folder (default: one cached export per variant)")
@@ -424,15 +439,21 @@ def main(argv=None) -> int:
         else:
             results.setdefault(key, []).append({**r, "rep": rep})
 
+    # one setting = (threads, prompt tokens); results are keyed (impl, setting)
+    settings = [(t, P) for P in a.prompt_len for t in a.threads]
     for rep in range(repeat):
-        for t in a.threads:
-            jobs = [((f"ours:{v}", t), sys.executable, "ours", str(d)) for v, d in ours_dirs.items()
+        for st in settings:
+            t, P = st
+            jobs = [((f"ours:{v}", st), sys.executable, "ours", str(d)) for v, d in ours_dirs.items()
                     if not ours_errs[v]]
-            jobs += [((q, t), py, "llamacpp", str(g)) for q, g in ggufs.items() if py and g is not None]
+            jobs += [((q, st), py, "llamacpp", str(g)) for q, g in ggufs.items() if py and g is not None]
             # alternate who runs first, so a drift within a round favours neither side
             for key, exe, kind, path in (jobs if rep % 2 == 0 else jobs[::-1]):
-                record(key, _spawn(exe, kind, [path, t, a.prompt_len, a.gen_len, a.lookup], 600), rep)
+                record(key, _spawn(exe, kind, [path, t, P, a.gen_len, a.lookup], 600), rep)
         log(f"run {rep + 1}/{repeat} done ({time.perf_counter() - t_start:.0f} s)")
+
+    def psuf(P):
+        return "" if P == 128 else f"/p{P}"
 
     def paired_ratio(key_ours, key_peer, t, metric="decode_tok_s"):
         """Median and range over the rounds of ours / theirs measured in the same round
@@ -442,8 +463,9 @@ def main(argv=None) -> int:
         rs = sorted(a_[k] / b_[k] for k in a_ if k in b_ and b_[k])
         return (float(statistics.median(rs)), rs[0], rs[-1], len(rs)) if rs else None
 
-    def summary(key, t):
-        runs = results.get((key, t), [])
+    def summary(key, st):
+        t = st[0]
+        runs = results.get((key, st), [])
         if not runs:
             return None
         bpt = ours_bpt.get(key.split(":", 1)[1]) if key.startswith("ours:") else peer_bpt.get(key)
@@ -469,13 +491,14 @@ def main(argv=None) -> int:
         r = ppl.get(k) or {}
         return r.get("ppl")
 
-    for t in a.threads:
+    for st in settings:
+        t, P = st
         for v in variants:
-            o = summary(f"ours:{v}", t)
+            o = summary(f"ours:{v}", st)
             pref = "int4" if v == "default" else f"int4-{v}"
             for q in a.quants:
-                th = summary(q, t)
-                case = f"{pref}_vs_{q}{f'_lookup{a.lookup}' if a.lookup else ''}/t{t}"
+                th = summary(q, st)
+                case = f"{pref}_vs_{q}{f'_lookup{a.lookup}' if a.lookup else ''}{psuf(P)}/t{t}"
                 for name, d, k in ((f"ours {v}", o, v), (f"llama.cpp {q}", th, q)):
                     if d:
                         pv = pp(k)
@@ -483,10 +506,10 @@ def main(argv=None) -> int:
                               f"{d['peak_rss_mb']:>14.1f}{d['bandwidth_limit_tok_s']:>10.1f}"
                               f"{100 * d['bandwidth_fraction']:>9.0f}%{'-' if pv is None else round(pv, 2):>9}")
                     else:
-                        err = errors.get((f"ours:{v}", t) if name.startswith("ours") else (q, t)) or \
+                        err = errors.get((f"ours:{v}", st) if name.startswith("ours") else (q, st)) or \
                             ours_errs.get(v) or peer_err or "not run"
                         print(f"{case:<26}{name:<22}  FAILED: {err[:120]}")
-                pr = paired_ratio(f"ours:{v}", q, t)
+                pr = paired_ratio(f"ours:{v}", q, st)
                 if o and th:
                     print(f"{'':<26}{'ratio ours/llama.cpp':<22}  decode {o['decode_tok_s'] / th['decode_tok_s']:.2f}x, "
                           f"prefill {o['prefill_tok_s'] / th['prefill_tok_s']:.2f}x, "
@@ -505,26 +528,27 @@ def main(argv=None) -> int:
                         # pass yields several tokens, so this is no longer a memory fraction
                         rec["metric"] = "effective_bandwidth_fraction"
                     if not th:
-                        rec["error"] = errors.get((q, t)) or peer_err or (None if ggufs.get(q) else f"no {q} GGUF")
+                        rec["error"] = errors.get((q, st)) or peer_err or (None if ggufs.get(q) else f"no {q} GGUF")
                     if not o:
-                        rec["ours_error"] = errors.get((f"ours:{v}", t)) or ours_errs.get(v)
+                        rec["ours_error"] = errors.get((f"ours:{v}", st)) or ours_errs.get(v)
                     records.append(rec)
                 if o and o.get("draft_acceptance") is not None:
                     print(f"{'':<26}{'prompt lookup (ours)':<22}  {100 * o['draft_acceptance']:.0f}% "
                           "of the draft tokens confirmed")
                     records.append({"case": case, "metric": "draft_acceptance", "ours": o["draft_acceptance"],
                                     "peer": None, "theirs": None})
-                if t == a.threads[0] and (pp(v) or pp(q)):
+                if st == settings[0] and (pp(v) or pp(q)):
                     records.append({"case": f"{pref}_vs_{q}", "metric": "ppl", "ours": pp(v),
                                     "peer": "llama.cpp", "theirs": pp(q)})
             if o:
-                records.append({"case": f"{pref}/t{t}", "metric": "bandwidth_limit_tok_s",
+                records.append({"case": f"{pref}{psuf(P)}/t{t}", "metric": "bandwidth_limit_tok_s",
                                 "ours": o["bandwidth_limit_tok_s"], "peer": None, "theirs": None})
-        records.append({"case": f"machine/t{t}", "metric": "bandwidth_gbs", "ours": bw[t], "peer": None, "theirs": None})
+        if P == a.prompt_len[0]:
+            records.append({"case": f"machine/t{t}", "metric": "bandwidth_gbs", "ours": bw[t], "peer": None, "theirs": None})
         for q in a.quants:
-            th = summary(q, t)
+            th = summary(q, st)
             if th:
-                records.append({"case": f"{q}/t{t}", "metric": "bandwidth_limit_tok_s", "ours": None, "peer": "llama.cpp",
+                records.append({"case": f"{q}{psuf(P)}/t{t}", "metric": "bandwidth_limit_tok_s", "ours": None, "peer": "llama.cpp",
                                 "theirs": th["bandwidth_limit_tok_s"]})
     if a.lookup:
         print("\nwith prompt lookup a weight pass yields several tokens: 'of limit' is decode tok/s "
