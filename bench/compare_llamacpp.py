@@ -79,6 +79,11 @@ def _repeat_to(ids: list, n: int) -> list:
     return (list(ids) * (n // max(1, len(ids)) + 1))[:n]
 
 
+def _llama_prompt_ids(llm, n: int) -> list:
+    """The bench prompt as llama-cpp-python tokenizes it (no BOS), repeated to ``n`` tokens."""
+    return _repeat_to(llm.tokenize(PROMPT_TEXT.encode(), add_bos=False, special=False), n)
+
+
 def _vm_hwm() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -120,7 +125,7 @@ def worker_llamacpp(gguf: str, threads: int, prompt_len: int, gen_len: int, look
                 n_threads=threads, n_threads_batch=threads, logits_all=False, verbose=False)
     load_s = time.perf_counter() - t0
     nv = llm.n_vocab()
-    ids = _repeat_to(llm.tokenize(PROMPT_TEXT.encode(), add_bos=False, special=False), prompt_len)
+    ids = _llama_prompt_ids(llm, prompt_len)
 
     def last_logits():
         return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(nv,))
@@ -191,7 +196,7 @@ def _llamacpp_lookup(gguf: str, threads: int, prompt_len: int, gen_len: int, loo
                 n_ubatch=prompt_len, n_threads=threads, n_threads_batch=threads, verbose=False,
                 **llama_lookup_kwargs(lookup))
     load_s = time.perf_counter() - t0
-    ids = _repeat_to(llm.tokenize(PROMPT_TEXT.encode(), add_bos=False, special=False), prompt_len)
+    ids = _llama_prompt_ids(llm, prompt_len)
 
     def gen(prompt, n):
         out, t, stamps = llama_generate(llm, prompt, n)
@@ -455,11 +460,11 @@ def main(argv=None) -> int:
     def psuf(P):
         return "" if P == 128 else f"/p{P}"
 
-    def paired_ratio(key_ours, key_peer, t, metric="decode_tok_s"):
+    def paired_ratio(key_ours, key_peer, st, metric="decode_tok_s"):
         """Median and range over the rounds of ours / theirs measured in the same round
-        (seconds apart): machine drift between rounds cancels."""
-        a_ = {r["rep"]: r[metric] for r in results.get((key_ours, t), [])}
-        b_ = {r["rep"]: r[metric] for r in results.get((key_peer, t), [])}
+        (seconds apart) at setting ``st``: machine drift between rounds cancels."""
+        a_ = {r["rep"]: r[metric] for r in results.get((key_ours, st), [])}
+        b_ = {r["rep"]: r[metric] for r in results.get((key_peer, st), [])}
         rs = sorted(a_[k] / b_[k] for k in a_ if k in b_ and b_[k])
         return (float(statistics.median(rs)), rs[0], rs[-1], len(rs)) if rs else None
 
