@@ -6,27 +6,12 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+from tiny import tiny_model
 
 SHARED = Path(os.environ.get("EDGEPRUNE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 
 
-def _tiny(config_cls, **kw):
-    from transformers import AutoModelForCausalLM
-
-    base = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                rms_norm_eps=1e-6, tie_word_embeddings=False)
-    base.update(kw)
-    torch.manual_seed(0)
-    cfg = config_cls(**base)
-    model = AutoModelForCausalLM.from_config(cfg)
-    # Random init gives near-zero weights; widen them so quantization/pruning errors show.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    return model.float().eval()
 
 
 @pytest.fixture
@@ -34,7 +19,7 @@ def tiny_llama():
     """A 2-layer llama (hidden 64, 4 q heads / 2 kv heads of dim 16, GQA) with random weights."""
     from transformers import LlamaConfig
 
-    return _tiny(LlamaConfig)
+    return tiny_model(LlamaConfig)
 
 
 @pytest.fixture
@@ -42,7 +27,7 @@ def tiny_qwen2():
     """A 2-layer qwen2 (q/k/v bias, GQA) with random weights."""
     from transformers import Qwen2Config
 
-    return _tiny(Qwen2Config)
+    return tiny_model(Qwen2Config)
 
 
 @pytest.fixture(scope="session")

@@ -10,13 +10,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.integration
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
 
 def _ready():
@@ -39,7 +36,7 @@ def test_int4_logits_match_between_x86_and_emulated_arm64(tmp_path):
     noise; the largest single gap on this random tiny model is 0.041 (1.4 % of that
     logit), so it is bounded relative to the logit, not absolutely."""
     import exporters
-    from _h4_tiny_tokenizer import export_tiny_llama
+    from tiny import export_tiny_llama
 
     from devices.arm64_check import compare
 

@@ -13,7 +13,7 @@ import torch
 
 from _cli import one_line_error, run_cli
 
-from _h3_tiny import tiny_tokenizer
+from tiny import byte_tokenizer
 
 CAL = ["--calib", "default", "--nsamples", "2", "--seqlen", "32"]
 
@@ -29,7 +29,7 @@ def model_dir(tmp_path_factory) -> Path:
     m = AutoModelForCausalLM.from_config(cfg).float().eval()
     d = tmp_path_factory.mktemp("cli") / "tiny"
     m.save_pretrained(d)
-    tiny_tokenizer().save_pretrained(d)
+    byte_tokenizer().save_pretrained(d)
     return d
 
 
@@ -284,7 +284,7 @@ def test_narrow_codes_are_labelled_and_long_contexts_warned(tiny_llama, tmp_path
     q = {n: rtn_quantize(m.weight.detach(), 3, 32, False) for n, m in tiny_llama.named_modules()
          if isinstance(m, torch.nn.Linear) and n != "lm_head"}
     with pytest.warns(UserWarning, match="exceeds the model's trained context"):
-        res = exporters.export_onnx(tiny_llama, tiny_tokenizer(), tmp_path / "q3", precision="int4",
+        res = exporters.export_onnx(tiny_llama, byte_tokenizer(), tmp_path / "q3", precision="int4",
                                     quantized=q, max_length=600, validate=False)
     assert res.metadata["quantization"]["code_bits"] == [3]
     assert "3-bit codes stored exactly as 4-bit MatMulNBits" in res.summary()
@@ -317,7 +317,7 @@ def test_run_caps_evaluation_windows_at_a_short_context(tmp_path):
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     d = tmp_path / "m256"
     AutoModelForCausalLM.from_config(cfg).float().eval().save_pretrained(d)
-    tiny_tokenizer().save_pretrained(d)
+    byte_tokenizer().save_pretrained(d)
     logs = []
     rep = run_pipeline(RunConfig(model=str(d), method="rtn", calib="default", nsamples=2, seqlen=32,
                                  eval_nwindows=1, threads=1, prompt_len=8, gen_len=4, repeat=1),

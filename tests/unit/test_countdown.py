@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from _h3_tiny import tiny_tokenizer
+from tiny import byte_tokenizer
 from edgeprune import countdown as cd
 from edgeprune.errors import ConfigError, UnsupportedArchitectureError
 from runtime.errors import ExportError, RuntimeLoadError
@@ -27,13 +27,10 @@ def _ids(n=24, seed=0):
 
 @pytest.fixture(scope="module")
 def tiny():
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from conftest import _tiny
+    from tiny import tiny_model
     from transformers import LlamaConfig
     torch.set_num_threads(1)
-    return _tiny(LlamaConfig), tiny_tokenizer()
+    return tiny_model(LlamaConfig), byte_tokenizer()
 
 
 @pytest.fixture(scope="module")

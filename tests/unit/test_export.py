@@ -17,12 +17,12 @@ import runtime
 from exporters.int4 import from_quantized, pack_matmulnbits, rtn_int
 from runtime.errors import ExportError, UnsupportedArchitectureError
 
-from _h3_tiny import rand_ids, tiny_tokenizer
+from tiny import rand_ids, byte_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return tiny_tokenizer()
+    return byte_tokenizer()
 
 
 def _torch_logits(model, ids):
@@ -304,8 +304,8 @@ def test_int4_lm_head_modes_and_tied_sharing(tok, tmp_path):
     """Tied embeddings + q8 head share ONE table (gathered for the embedding);
     int4 head only on request and recorded."""
     from transformers import LlamaConfig
-    from conftest import _tiny
-    model = _tiny(LlamaConfig, tie_word_embeddings=True)
+    from tiny import tiny_model
+    model = tiny_model(LlamaConfig, tie_word_embeddings=True)
     r8 = _export(model, tok, tmp_path / "q8", precision="int4", accuracy_level=0)
     assert r8.metadata["lm_head"] == "q8" and r8.metadata["quantization"]["lm_head"] == "int8 block 64"
     m = onnx.load(str(tmp_path / "q8" / "model.onnx"))
@@ -419,18 +419,18 @@ def test_configs_the_graph_cannot_follow_are_refused(tok, tmp_path):
     export "successfully": GELU 0.45 off, qwen2 sliding window and dynamic / longrope
     rope off past the window / original context)."""
     from transformers import LlamaConfig, Qwen2Config
-    from conftest import _tiny
+    from tiny import tiny_model
     with pytest.raises(UnsupportedArchitectureError, match="hidden_act 'gelu'"):
-        _export(_tiny(LlamaConfig, hidden_act="gelu"), tok, tmp_path / "a")
-    sw = _tiny(Qwen2Config, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+        _export(tiny_model(LlamaConfig, hidden_act="gelu"), tok, tmp_path / "a")
+    sw = tiny_model(Qwen2Config, use_sliding_window=True, sliding_window=8, max_window_layers=0)
     with pytest.raises(UnsupportedArchitectureError, match=r"max_length=64: sliding-window attention "
                                                             r"\(sliding_window=8\).*--max-length 8"):
         _export(sw, tok, tmp_path / "b", max_length=64)
     assert _export(sw, tok, tmp_path / "b", max_length=8).parity["max_abs_logit_diff"] < 1e-4
-    dyn = _tiny(LlamaConfig, max_position_embeddings=32, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    dyn = tiny_model(LlamaConfig, max_position_embeddings=32, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
     with pytest.raises(UnsupportedArchitectureError, match="rope_type 'dynamic' changes its frequencies past 32"):
         _export(dyn, tok, tmp_path / "c", max_length=128)
-    lr = _tiny(LlamaConfig, max_position_embeddings=128, rope_scaling={
+    lr = tiny_model(LlamaConfig, max_position_embeddings=128, rope_scaling={
         "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
         "original_max_position_embeddings": 32})
     with pytest.warns(UserWarning, match="max_length set to 32.*longrope"):
@@ -443,9 +443,9 @@ def test_failed_validation_writes_nothing(tok, tmp_path):
     """Logits that do not match the model fail the export (validation used to record the
     figures and succeed): here the model computes GELU while its config claims SiLU."""
     from transformers import LlamaConfig
-    from conftest import _tiny
+    from tiny import tiny_model
     from exporters.validate import check_parity
-    m = _tiny(LlamaConfig, hidden_act="gelu")
+    m = tiny_model(LlamaConfig, hidden_act="gelu")
     m.config.hidden_act = "silu"
     with pytest.raises(ExportError, match=r"validation failed: .* by up to 0\.4\d* \(allowed 0\.00\d* "
                                           r"for an fp32 graph; top-1 agreement 70\.3% .*--no-validate"):
@@ -472,8 +472,8 @@ def test_tied_quantized_head_plain_equals_fused(tok, tmp_path, lm_head):
     plain graph's head runs at the requested accuracy level (onnxruntime's own default
     for its DequantizeLinear + MatMul fusion is int8 activations: 1.5e-2 off)."""
     from transformers import LlamaConfig
-    from conftest import _tiny
-    model = _tiny(LlamaConfig, tie_word_embeddings=True)
+    from tiny import tiny_model
+    model = tiny_model(LlamaConfig, tie_word_embeddings=True)
     ids = rand_ids(40, seed=3)
     out = {}
     for graph in ("fused", "plain"):

@@ -13,12 +13,12 @@ import runtime
 from exporters.sparse24 import compress_24, expand_24
 from runtime.errors import ExportError
 
-from _h3_tiny import rand_ids, tiny_tokenizer
+from tiny import rand_ids, byte_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return tiny_tokenizer()
+    return byte_tokenizer()
 
 
 def _prune_24(model, fp16_values=False):
@@ -72,9 +72,9 @@ def test_sparse24_rejects_dense_model(tiny_llama, tok, tmp_path):
 
 def test_compact24_smaller_and_exact(tok, tmp_path):
     from transformers import LlamaConfig
-    from conftest import _tiny
+    from tiny import tiny_model
     # wide enough that linears dominate the file
-    model = _prune_24(_tiny(LlamaConfig, hidden_size=128, intermediate_size=384,
+    model = _prune_24(tiny_model(LlamaConfig, hidden_size=128, intermediate_size=384,
                             num_attention_heads=4, num_key_value_heads=2), fp16_values=True)
     dense16 = exporters.export_onnx(model, tok, tmp_path / "d16", precision="fp16",
                                     max_length=128, validate=False)

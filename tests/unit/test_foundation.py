@@ -8,23 +8,13 @@ import math
 import pytest
 import torch
 
+from tiny import CharTokenizer
+
 from edgeprune.calibration import (MAX_SEQLEN, build_calibration, default_documents, load_documents,
                                    token_stream)
 from edgeprune.errors import (CalibrationError, ConfigError, ModelLoadError,
                               UnsupportedArchitectureError)
 from edgeprune.evaluate import eval_windows, fidelity, perplexity
-
-
-class CharTokenizer:
-    """A deterministic byte tokenizer (id = byte value) with the HF call convention."""
-
-    name_or_path = "bytes"
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": list(text.encode("utf-8"))}
-
-    def __len__(self):
-        return 256
 
 
 def test_default_text_parts_are_disjoint_and_real():

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _h4_tiny_tokenizer import export_tiny_llama
+from tiny import export_tiny_llama
 
 from runtime import hugepages
 

@@ -4,19 +4,15 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny import rand_ids, byte_tokenizer
 
-from _h3_tiny import rand_ids, tiny_tokenizer  # noqa: E402
-
-from edgeprune.errors import CheckpointError, ConfigError, ExportError, GenerationError  # noqa: E402
-from edgeprune.leank import (LeanKMask, apply_reference, check_leank_args, kv_geometry,  # noqa: E402
+from edgeprune.errors import CheckpointError, ConfigError, ExportError, GenerationError
+from edgeprune.leank import (LeanKMask, apply_reference, check_leank_args, kv_geometry,
                              learn_mask, long_perplexity, magnitude_scores, select_channels)
 
 
@@ -74,7 +70,7 @@ def test_learn_mask_rejects_bad_inputs(tiny_llama):
 
 
 def test_sink_window_larger_than_context(tiny_llama):
-    tok = tiny_tokenizer()
+    tok = byte_tokenizer()
     m = LeanKMask.full(*[kv_geometry(tiny_llama)[i] for i in (0, 2, 3)])
     with pytest.raises(ConfigError, match="exceed the context"):
         long_perplexity(tiny_llama, tok, m, "hello world " * 200, seqlen=64, nwindows=1,
@@ -213,7 +209,7 @@ def test_mask_json_roundtrip_and_errors(tmp_path, tiny_llama):
 
 def _export(model, tmp_path, name, **kw):
     import exporters
-    return exporters.export_onnx(model, tiny_tokenizer(), tmp_path / name, max_length=128, **kw)
+    return exporters.export_onnx(model, byte_tokenizer(), tmp_path / name, max_length=128, **kw)
 
 
 @pytest.mark.parametrize("graph", ["plain", "fused"])
@@ -331,7 +327,7 @@ def test_runtime_generate_and_errors(tiny_llama, tmp_path):
     assert s.sess is None
     bad = LeanKMask.full(3, 2, 16)
     with pytest.raises(ExportError, match="does not match"):
-        exporters.export_onnx(tiny_llama, tiny_tokenizer(), tmp_path / "bad", leank=bad)
+        exporters.export_onnx(tiny_llama, byte_tokenizer(), tmp_path / "bad", leank=bad)
 
 
 def test_export_defaults_to_the_masks_training_regime_and_refuses_no_pruning(tiny_llama, tmp_path):

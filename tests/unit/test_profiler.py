@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from _h4_tiny_tokenizer import export_tiny_llama
+from tiny import export_tiny_llama
 
 import devices
 from runtime.errors import DeviceError, GenerationError, RuntimeLoadError

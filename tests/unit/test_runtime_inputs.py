@@ -16,16 +16,16 @@ import runtime
 import runtime.session as rs
 from runtime.errors import DeviceError, GenerationError, RuntimeLoadError
 
-from _h3_tiny import tiny_tokenizer
+from tiny import byte_tokenizer
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """Tiny llama exported fused with a 600-token context (room for several KV sizes)."""
     from transformers import LlamaConfig
-    from conftest import _tiny
+    from tiny import tiny_model
     out = tmp_path_factory.mktemp("inputs") / "fused"
-    exporters.export_onnx(_tiny(LlamaConfig, max_position_embeddings=1024), tiny_tokenizer(), out,
+    exporters.export_onnx(tiny_model(LlamaConfig, max_position_embeddings=1024), byte_tokenizer(), out,
                           max_length=600, validate=False)
     return out
 
@@ -303,9 +303,9 @@ def test_closed_session_and_load_arguments(folder, tmp_path):
 
 def test_truncated_weight_file_is_named(tmp_path):
     from transformers import LlamaConfig
-    from conftest import _tiny
+    from tiny import tiny_model
     folder = tmp_path / "ext"
-    exporters.export_onnx(_tiny(LlamaConfig), tiny_tokenizer(), folder, max_length=64,
+    exporters.export_onnx(tiny_model(LlamaConfig), byte_tokenizer(), folder, max_length=64,
                           validate=False, external_data=True)
     meta = json.loads((folder / "edgeprune.json").read_text())
     assert meta["data_bytes"] == (folder / "model.onnx.data").stat().st_size

@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import torch
-from _h4_tiny_tokenizer import export_tiny_llama
+from tiny import export_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 

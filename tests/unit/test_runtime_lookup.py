@@ -11,7 +11,7 @@ import runtime
 from runtime.errors import GenerationError
 from runtime.lookup import DraftController, adapt_draft_len, check_lookup_args, find_draft
 
-from _h3_tiny import rand_ids, tiny_tokenizer
+from tiny import rand_ids, byte_tokenizer
 
 
 # ----------------------------------------------------------------------------- find_draft
@@ -54,12 +54,12 @@ def folders(tmp_path_factory):
     """A tiny llama exported fused and plain (fp32: one- and multi-token passes agree to
     ~1e-6, so lookup must reproduce plain decoding token for token)."""
     from transformers import LlamaConfig
-    from conftest import _tiny
-    model = _tiny(LlamaConfig)
+    from tiny import tiny_model
+    model = tiny_model(LlamaConfig)
     base = tmp_path_factory.mktemp("lookup")
     out = {}
     for graph in ("fused", "plain"):
-        exporters.export_onnx(model, tiny_tokenizer(), base / graph, graph=graph, max_length=160,
+        exporters.export_onnx(model, byte_tokenizer(), base / graph, graph=graph, max_length=160,
                               validate=False)
         out[graph] = base / graph
     return model, out

@@ -16,7 +16,7 @@ import exporters
 import runtime
 from runtime.errors import GenerationError, RuntimeLoadError
 
-from _h3_tiny import rand_ids, tiny_tokenizer
+from tiny import rand_ids, byte_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def folders(tmp_path_factory):
     """Tiny qwen2 (GQA + bias) exported fused and plain, plus the torch model."""
     from transformers import Qwen2Config
-    from conftest import _tiny
-    model = _tiny(Qwen2Config)
-    tok = tiny_tokenizer()
+    from tiny import tiny_model
+    model = tiny_model(Qwen2Config)
+    tok = byte_tokenizer()
     base = tmp_path_factory.mktemp("rt")
     out = {}
     for graph in ("fused", "plain"):
@@ -300,9 +300,9 @@ def test_mapped_weight_pages_dropped_for_a_freshly_written_folder(tmp_path, monk
         pytest.skip("needs Linux /proc/self/smaps")
     import shutil
     from transformers import LlamaConfig
-    from conftest import _tiny
-    model = _tiny(LlamaConfig, tie_word_embeddings=True)
-    tok = tiny_tokenizer()
+    from tiny import tiny_model
+    model = tiny_model(LlamaConfig, tie_word_embeddings=True)
+    tok = byte_tokenizer()
     exporters.export_onnx(model, tok, tmp_path / "a", precision="int4", max_length=64,
                           validate=False)
     ids = rand_ids(12, seed=2)
@@ -328,10 +328,10 @@ def test_small_page_cache_reads_only_the_row_read_tables(tmp_path, monkeypatch):
     the whole file."""
     import onnx
     from transformers import LlamaConfig
-    from conftest import _tiny
+    from tiny import tiny_model
     import runtime.session as rs
-    model = _tiny(LlamaConfig, tie_word_embeddings=True)
-    r = exporters.export_onnx(model, tiny_tokenizer(), tmp_path / "a", precision="int4",
+    model = tiny_model(LlamaConfig, tie_word_embeddings=True)
+    r = exporters.export_onnx(model, byte_tokenizer(), tmp_path / "a", precision="int4",
                               max_length=64, validate=False)
     ranges = r.metadata["row_read_ranges"]
     data = tmp_path / "a" / "model.onnx.data"

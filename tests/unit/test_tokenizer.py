@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from _h4_tiny_tokenizer import CORPUS, save_tiny_tokenizer
+from tiny import CORPUS, save_bpe_tokenizer
 
 from runtime.errors import GenerationError, RuntimeLoadError
 from runtime.tokenizer import IncrementalDecoder, Tokenizer
@@ -16,7 +16,7 @@ TEXTS = ["Hello world!", "The quick brown fox", "  two  spaces\nand a newline",
 
 @pytest.fixture
 def tiny(tmp_path):
-    hf = save_tiny_tokenizer(tmp_path)
+    hf = save_bpe_tokenizer(tmp_path)
     return hf, Tokenizer.from_folder(tmp_path)
 
 
@@ -46,7 +46,7 @@ def test_special_token_ids(tiny):
 
 
 def test_generation_config_adds_eos_ids(tmp_path):
-    save_tiny_tokenizer(tmp_path)
+    save_bpe_tokenizer(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     assert Tokenizer.from_folder(tmp_path).eos_token_ids == [2, 0]
 
@@ -62,7 +62,7 @@ def test_chat_template_matches_transformers(tiny):
 
 
 def test_chat_template_in_tokenizer_config_and_errors(tmp_path):
-    save_tiny_tokenizer(tmp_path)
+    save_bpe_tokenizer(tmp_path)
     tpl = (tmp_path / "chat_template.jinja").read_text()
     (tmp_path / "chat_template.jinja").unlink()
     with pytest.raises(GenerationError, match="no chat template") as e:
@@ -92,7 +92,7 @@ def test_missing_or_corrupt_folder(tmp_path):
     with pytest.raises(RuntimeLoadError, match="cannot parse"):
         Tokenizer.from_folder(tmp_path)
     with pytest.raises(GenerationError, match="must be a str"):
-        save_tiny_tokenizer(tmp_path / "ok")
+        save_bpe_tokenizer(tmp_path / "ok")
         Tokenizer.from_folder(tmp_path / "ok").encode(123)
 
 
@@ -123,7 +123,7 @@ def _byte_fallback_tokenizer(tmp_path):
 @pytest.mark.parametrize("kind", ["bytelevel", "sentencepiece"])
 def test_incremental_decoder_concatenation_equals_decode(tmp_path, kind):
     if kind == "bytelevel":
-        hf, tok = save_tiny_tokenizer(tmp_path), None
+        hf, tok = save_bpe_tokenizer(tmp_path), None
         tok = Tokenizer.from_folder(tmp_path)
     else:
         hf, tok = _byte_fallback_tokenizer(tmp_path)

@@ -1,0 +1,70 @@
+"""``edgeprune compress``: a method or recipe -> a compressed-tensors checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from runtime.errors import ConfigError
+
+from ._app import cli
+from ._common import METHODS, _check_output, _console, _parse_pattern, _write_json, method_options
+
+@cli.command("compress")
+@click.argument("model")
+@method_options
+@click.option("--out", "out_dir", required=True, help="Checkpoint folder to write.")
+@click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "dense"]),
+              default="compressed-tensors", show_default=True)
+@click.option("--asym-layout", type=click.Choice(["naive-quantized", "pack-quantized"]),
+              default="naive-quantized", show_default=True,
+              help="compressed-tensors layout of asymmetric layers: naive (int8 codes) loads in plain "
+                   "transformers; pack (8 codes per int32) is half the size but transformers 5.24 cannot load it.")
+@click.option("--overwrite", is_flag=True)
+@click.option("--json", "json_path", default=None, help="Write the compression summary here.")
+def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, calib, nsamples, seqlen,
+                 seed, device, out_dir, fmt, asym_layout, overwrite, json_path):
+    """Compress MODEL with a method or recipe and save a checkpoint."""
+    _check_output(out_dir, "--out", folder=True)   # writable; input protection follows
+    _check_output(json_path, "--json", [model])
+    from .. import checkpoint as ckpt
+    from ..calibration import build_calibration
+    from ..engine import check_recipe, compress
+    from ..models import load_model
+    from ..pipeline import RunConfig, build_recipe
+
+    if not method and not recipe:
+        raise ConfigError("no compression method given", f"pass --method ({', '.join(METHODS)}) or --recipe FILE")
+    pn, pm = _parse_pattern(pattern)
+    cfg = RunConfig(model=model, method=method, recipe=recipe, bits=bits, group_size=group_size, sym=sym,
+                    sparsity=sparsity, prune_n=pn, prune_m=pm, calib=calib, nsamples=128 if nsamples is None else nsamples,
+                    seqlen=seqlen, seed=seed)
+    rec = build_recipe(cfg)
+    rec.validate()
+    from ..models import local_source
+
+    local = local_source(model)               # the input model's file or folder (aliases too)
+    # refused before any work: the input's folder, a folder of foreign files, or another
+    # run's checkpoint without --overwrite (save_checkpoint checks again when it writes)
+    ckpt.check_out_dir(Path(out_dir).expanduser().resolve(), [local] if local is not None else [],
+                       overwrite)
+    con = _console()
+    m, tok, src = load_model(model, return_source=True, device=device)
+    check_recipe(m, rec)                     # shapes vs recipe before calibrating
+    cal = build_calibration(tok, calib, nsamples=cfg.nsamples, seqlen=seqlen, seed=seed,
+                            model_max_length=getattr(m.config, "max_position_embeddings", None), model=m)
+    res = compress(m, rec, cal.input_ids, device=device)
+    res.calibration = cal.info
+    if res.quantized and fmt == "dense":
+        con.print("note: --format dense stores dequantized floats; integer codes are not kept")
+    path = ckpt.save_checkpoint(m, tok, res, out_dir, format=fmt, overwrite=overwrite, asym_layout=asym_layout,
+                                provenance=dict(method=rec.to_dict(), source=src.to_dict(),
+                                                calibration=cal.info, seed=seed))
+    summ = res.summary()
+    con.print(f"compressed {model} with {rec.to_dict()} in {res.seconds:.1f} s -> {path}")
+    if summ.get("avg_bits_per_weight"):
+        con.print(f"average bits per weight (scales included): {summ['avg_bits_per_weight']:.3f}")
+    if res.fallbacks:
+        con.print("fallbacks: " + "; ".join(res.fallbacks))
+    _write_json(json_path, summ)

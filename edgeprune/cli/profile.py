@@ -1,0 +1,66 @@
+"""``edgeprune profile`` and ``edgeprune devices``: measured / projected latency and memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ._app import cli
+from ._common import _check_output, _console, _table, _write_json
+
+@cli.command("profile")
+@click.argument("folder")
+@click.option("--device", "device_name", default="cpu-host", show_default=True,
+              help="Device profile name (see `edgeprune devices`).")
+@click.option("--prompt-len", type=int, default=128, show_default=True)
+@click.option("--gen-len", type=int, default=128, show_default=True)
+@click.option("--repeat", type=int, default=5, show_default=True)
+@click.option("--sweep", is_flag=True, help="Also sweep context lengths and draw a PNG.")
+@click.option("--target", "targets", multiple=True, help="Profiles to project to (repeatable).")
+@click.option("--out", "out_dir", default=None,
+              help="Folder for the plot and profile.md (default: the plot goes to ./runs/profile-NAME/).")
+@click.option("--threads", type=int, default=None, help="Threads to run with instead of the profile's.")
+@click.option("--json", "json_path", default=None)
+def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets, out_dir, threads, json_path):
+    """Measure latency and memory of an exported FOLDER under a device profile."""
+    from runtime.profiler import _atomic_write, profile
+
+    # outputs checked before minutes of measuring, not after
+    _check_output(out_dir, "--out", [folder], folder=True)
+    _check_output(json_path, "--json", [folder])
+    rep = profile(folder, device_name, prompt_len=prompt_len, gen_len=gen_len, repeat=repeat,
+                  sweep=True if sweep else None, targets=list(targets) or None, out_dir=out_dir,
+                  threads=threads)
+    md = rep.to_markdown()
+    click.echo(md)          # Markdown as is: no terminal-width wrapping, no rich markup
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        _atomic_write(Path(out_dir) / "profile.md", md.encode())
+    if json_path:
+        rep.to_json(json_path)
+
+
+@cli.command("devices")
+@click.option("--json", "json_path", default=None)
+def devices_cmd(json_path):
+    """List the device profiles (devices/profiles/*.toml)."""
+    import devices
+
+    _check_output(json_path, "--json")
+    profs = devices.list_profiles()
+    rows = []
+    for p in profs:
+        d = p.to_dict()
+        rows.append([d["name"], d["device_class"], d["execution_provider"].replace("ExecutionProvider", ""),
+                     d["threads"], round(d["memory_budget_bytes"] / 2**20),
+                     d["bandwidth_gbs"] or "measured", d["peak_fp32_gflops"] or "measured",
+                     d["peak_int8_gops"] or "measured"])
+    con = _console()
+    con.print(_table("device profiles (devices/profiles/*.toml)",
+                     ["name", "class", "provider", "threads", "memory budget MiB",
+                      "bandwidth GB/s", "fp32 GFLOP/s", "int8 GOP/s"], rows))
+    con.print("sources of the figures:")
+    for p in profs:
+        con.print(f"  {p.name}: {p.source or 'not given'}")
+    _write_json(json_path, [p.to_dict() for p in profs])
