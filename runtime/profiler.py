@@ -35,6 +35,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from .errors import DeviceError, GenerationError, RuntimeLoadError
+from .files import atomic_write
 
 __all__ = ["profile", "ProfileReport", "model_work", "gpu_availability", "DEFAULT_SWEEP"]
 
@@ -299,7 +300,7 @@ class ProfileReport:
         """The report as JSON; also written atomically to ``path`` when given."""
         text = json.dumps(self.to_dict(), indent=2, default=float)
         if path is not None:
-            _atomic_write(Path(path), text.encode())
+            atomic_write(Path(path), text)
         return text
 
     def to_markdown(self) -> str:
@@ -409,21 +410,6 @@ class ProfileReport:
         self.plot_path = str(path)
         return self.plot_path
 
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)          # mkstemp's 0600 would hide it from other users
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 # ------------------------------------------------------------------------------------------

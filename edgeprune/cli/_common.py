@@ -29,10 +29,10 @@ def _console():
 
 def _write_json(path: Optional[str], data: Any) -> None:
     """Write ``data`` as JSON to ``path`` atomically (temporary file, then rename)."""
-    from runtime.profiler import _atomic_write
+    from runtime.files import atomic_write
 
     if path:
-        _atomic_write(Path(path), json.dumps(_finite(data), indent=2, default=str).encode())
+        atomic_write(Path(path), json.dumps(_finite(data), indent=2, default=str))
 
 
 def _finite(x):

@@ -24,7 +24,8 @@ from ._common import _check_output, _console, _table, _write_json
 @click.option("--json", "json_path", default=None)
 def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets, out_dir, threads, json_path):
     """Measure latency and memory of an exported FOLDER under a device profile."""
-    from runtime.profiler import _atomic_write, profile
+    from runtime.files import atomic_write
+    from runtime.profiler import profile
 
     # outputs checked before minutes of measuring, not after
     _check_output(out_dir, "--out", [folder], folder=True)
@@ -36,7 +37,7 @@ def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets
     click.echo(md)          # Markdown as is: no terminal-width wrapping, no rich markup
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        _atomic_write(Path(out_dir) / "profile.md", md.encode())
+        atomic_write(Path(out_dir) / "profile.md", md)
     if json_path:
         rep.to_json(json_path)
 
