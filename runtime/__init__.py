@@ -9,6 +9,8 @@ Imports only onnxruntime, numpy, tokenizers, jinja2 and psutil (never torch).
 
 from .errors import EdgePruneError, GenerationError, RuntimeLoadError
 from .session import GenerationResult, Session, load
+from . import countdown, leank  # noqa: E402,F401  (register the variant sessions)
+from .variants import register_session
 
-__all__ = ["load", "Session", "GenerationResult", "EdgePruneError", "GenerationError",
+__all__ = ["load", "Session", "GenerationResult", "register_session", "EdgePruneError", "GenerationError",
            "RuntimeLoadError"]

@@ -27,10 +27,12 @@ import onnxruntime as ort
 
 from .errors import RuntimeLoadError
 from .session import Session
+from .variants import register_session, variant_records
 
 KEPT_OUTPUT = "countdown_kept"
 
 
+@register_session("countdown")
 class CountdownSession(Session):
     """A :class:`runtime.session.Session` over a COUNTDOWN export.
 
@@ -56,7 +58,7 @@ class CountdownSession(Session):
         self._has_kept = KEPT_OUTPUT in self.output_names
 
     def _countdown_meta(self) -> dict:
-        cd = self.meta.get("countdown")
+        cd = variant_records(self.meta).get("countdown")
         if not cd:
             raise RuntimeLoadError(f"{self.folder} is not a COUNTDOWN export",
                                    "export with exporters.countdown.export_countdown, or use "

@@ -25,8 +25,10 @@ import onnxruntime as ort
 
 from .errors import GenerationError, RuntimeLoadError
 from .session import Session
+from .variants import register_session, variant_records
 
 
+@register_session("leank")
 class LeanKSession(Session):
     """A loaded LeanK export folder (see module docstring); same API as ``Session``."""
 
@@ -37,7 +39,7 @@ class LeanKSession(Session):
                  huge_pages: bool = True):
         super().__init__(folder, device=device, threads=threads, max_length=max_length,
                          context_policy=context_policy, huge_pages=huge_pages)
-        lk = self.meta.get("leank")
+        lk = variant_records(self.meta).get("leank")
         if not isinstance(lk, dict) or "keep" not in lk:
             raise RuntimeLoadError(f"{self.folder} has no LeanK metadata",
                                    "load it with runtime.load (plain Session)")

@@ -51,6 +51,7 @@ from .kv_cache import ConcatKVCache, KVSpec, SharedKVCache
 from .lookup import DraftController, check_lookup_args, find_draft
 from .sampling import Sampler
 from .tokenizer import Tokenizer
+from .variants import session_class
 
 Prompt = Union[str, Sequence[int], Sequence[str], Sequence[Sequence[int]]]
 REQUIRED_FILES = ("model.onnx", "edgeprune.json", "tokenizer.json")
@@ -1154,15 +1155,11 @@ def load(folder, device: str = "cpu", threads: Optional[int] = None,
 
     See :class:`Session` for the arguments and raised errors.
     """
-    cls = Session
-    try:   # LeanK / COUNTDOWN exports run through their session subclasses
+    try:   # variant exports (LeanK, COUNTDOWN...) run through their registered sessions
         meta = json.loads((Path(folder) / "edgeprune.json").read_text())
-        if meta.get("leank"):
-            from .leank import LeanKSession as cls
-        elif meta.get("countdown"):
-            from .countdown import CountdownSession as cls
-    except (OSError, ValueError, AttributeError, TypeError):
-        pass   # Session reports missing/corrupt metadata / a non-path with a clear error
+    except (OSError, ValueError, TypeError):
+        meta = {}   # Session reports missing/corrupt metadata / a non-path with a clear error
+    cls = session_class(meta if isinstance(meta, dict) else {}, Session)
     return cls(folder, device=device, threads=threads, max_length=max_length,
                context_policy=context_policy, huge_pages=huge_pages)
 
