@@ -232,7 +232,7 @@ def row_read_ranges(proto, placed: dict[str, tuple[int, int]]) -> list[list[int]
     initializers the graph reads a row at a time: the data input of a ``Gather`` (the
     embedding table, the quantized codes shared with the head, float zero points). The
     runtime gives just these ranges small page-cache pages before loading
-    (``runtime.session._small_page_cache``); every other initializer is read whole by
+    (``runtime.memory.small_page_cache``); every other initializer is read whole by
     onnxruntime's pre-packing (or folded into a copy) and then dropped from memory.
     """
     names = {n.input[0] for n in proto.graph.node

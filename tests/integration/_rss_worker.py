@@ -47,10 +47,10 @@ def main() -> None:
     sess.eos_token_ids = []                      # generate exactly n tokens
     prompt = list(range(1000, 1128))             # 128 tokens
     if mode == "embed":
-        from runtime.session import _weight_mappings
+        from runtime.memory import weight_mappings
         step = sess.vocab_size // 128
         sess.generate(list(range(0, 128 * step, step)), max_new_tokens=n)
-        print(json.dumps({"weights_rss": sum(m["Rss"] for m in _weight_mappings(folder))}))
+        print(json.dumps({"weights_rss": sum(m["Rss"] for m in weight_mappings(folder))}))
         return
     if mode == "peak":
         r = sess.generate(prompt, max_new_tokens=n)
