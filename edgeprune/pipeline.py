@@ -193,7 +193,7 @@ def _check_out(out: Path, fingerprint: str, overwrite: bool, model: str | None =
 
 
 def _profile(folder: Path, cfg: RunConfig) -> dict[str, Any]:
-    from runtime.profiler import profile
+    from devices.profiler import profile
 
     rep = profile(folder, "cpu-host", prompt_len=cfg.prompt_len, gen_len=cfg.gen_len,
                   repeat=cfg.repeat, targets=[])
@@ -315,7 +315,7 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
     recipe = build_recipe(cfg)
     recipe.validate()
     # every count of the later stages now, not after minutes of calibration
-    from runtime.profiler import check_profile_args
+    from devices.profiler import check_profile_args
     check_profile_args(cfg.prompt_len, cfg.gen_len, cfg.repeat, cfg.threads)
     if isinstance(cfg.eval_seqlen, bool) or not isinstance(cfg.eval_seqlen, int) or cfg.eval_seqlen < 2:
         raise ConfigError(f"eval_seqlen={cfg.eval_seqlen!r} must be an integer >= 2",

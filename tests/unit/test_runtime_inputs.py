@@ -319,11 +319,12 @@ def test_truncated_weight_file_is_named(tmp_path):
 
 
 def test_profile_checks_arguments_before_measuring(folder, monkeypatch, tmp_path):
-    import runtime.profiler as rp
+    import devices.profiler as rp
+    import devices.profiler.measure as measure
 
     def no(*a, **k):
         raise AssertionError("measured before checking the arguments")
-    monkeypatch.setattr(rp, "_run_worker", no)
+    monkeypatch.setattr(measure, "run_worker", no)
     with pytest.raises(DeviceError, match="raspbery-pi-5"):
         rp.profile(folder, "cpu-host", prompt_len=8, gen_len=4, repeat=1, targets=["raspbery-pi-5"])
     with pytest.raises(GenerationError, match="gen_len must be an integer >= 2"):
@@ -334,9 +335,10 @@ def test_profile_checks_arguments_before_measuring(folder, monkeypatch, tmp_path
     # not asked for failed only after the whole run (its measurement lost)
     import shutil
     import devices
+    import devices.catalog
     broken = tmp_path / "profiles"
     shutil.copytree(devices.PROFILE_DIR, broken)
     (broken / "raspberry-pi-5.toml").write_text("name = [unclosed")
-    monkeypatch.setattr(devices, "PROFILE_DIR", broken)
+    monkeypatch.setattr(devices.catalog, "PROFILE_DIR", broken)
     with pytest.raises(DeviceError, match="raspberry-pi-5.toml"):
         rp.profile(folder, "cpu-host", prompt_len=8, gen_len=4, repeat=1)
