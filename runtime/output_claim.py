@@ -99,6 +99,13 @@ def _held_here(lock: Path) -> Optional["OutputClaim"]:
 
 
 def refuse_live_claim(p: Path, where: str, error) -> None:
+    """Refuse an output another live writer holds: another thread of this process, or a
+    process whose lock ``.NAME.lock`` names it (alive, or on another host, or a lock still
+    being written). A claim of this thread, or a stale lock, passes.
+
+    Raises:
+        error: naming the holder's pid and the lock to delete if that process is gone.
+    """
     lock = _lock_path(p)
     root = _held_here(lock)
     if root is not None:
