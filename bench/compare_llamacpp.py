@@ -375,7 +375,7 @@ def main(argv=None) -> int:
     sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
     import devices
     from _peers import ensure_ours, ours_folder
-    from runtime.profiler import model_work
+    from devices.profiler import model_work
 
     t_start = time.perf_counter()
     records: list[dict] = []

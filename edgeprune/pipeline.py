@@ -15,7 +15,9 @@ runtime process (time to first token, decode tokens/s, peak RSS) and writes
 The output folder is written atomically: everything is built in a temporary sibling
 folder that is renamed at the end, so a failure leaves nothing half-written. An
 existing output folder holding a *different* run is refused unless ``overwrite``;
-re-running the same settings replaces it.
+re-running the same settings replaces it. The folder is claimed for the whole run
+(:func:`runtime.files.claim_output`): a second run into it is refused at once, and what a
+killed run left beside it is removed by the next.
 """
 
 from __future__ import annotations
@@ -24,12 +26,12 @@ import copy
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+from runtime.files import OutputKind, atomic_folder, check_output, claim_output, write_json
 
 from .errors import CalibrationError, CheckpointError, ConfigError
 
@@ -155,45 +157,32 @@ def build_recipe(cfg: RunConfig):
 
 #: What a run folder holds; replacing it deletes nothing else.
 RUN_ENTRIES = ("checkpoint", "onnx-compressed", "onnx-dense", "report.json", "report.md")
+#: A run folder, for the output guard: replaced as a whole; marked by a ``report.json``
+#: holding the run's ``fingerprint`` (the same run is replaced without ``overwrite``).
+RUN_OUTPUT = OutputKind("run", files=frozenset(RUN_ENTRIES), marker="report.json",
+                        marker_key="fingerprint", ours="part of an edgeprune run")
 
 
-def _check_out(out: Path, fingerprint: str, overwrite: bool, model: str | None = None) -> None:
-    """Refuse an output folder that would lose data: one that is, holds or lies in the
-    input model's folder (or is or holds the model file); a folder with anything besides
-    an earlier run's :data:`RUN_ENTRIES` (its ``report.json`` carrying a ``fingerprint``),
-    even with ``overwrite``; a different run without ``overwrite``."""
-    from exporters.folder import foreign_entries, shown_names, source_conflict
-
+def _out_guard(model: str | None) -> dict[str, Any]:
+    """The output guard's settings for a run folder: its kind, the model's file or
+    folder as the input it must not touch, the error."""
     from .models import local_source
 
     src = local_source(model) if model else None
-    why = source_conflict(out, [src]) if src is not None else None
-    if why:
-        raise CheckpointError(f"refusing to write the run there: {why}",
-                              "choose an --out outside the model's folder")
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise CheckpointError(f"output path {out} exists and is not a folder", "choose another --out")
-    if not any(out.iterdir()):
-        return
-    prev = None
-    try:
-        prev = json.loads((out / "report.json").read_text()).get("fingerprint")
-    except (OSError, ValueError, AttributeError):
-        prev = None
-    other = foreign_entries(out, RUN_ENTRIES if prev else ())   # no run report: every name
-    if other:
-        raise CheckpointError(f"output folder {out} holds files that are not part of an edgeprune "
-                              f"run ({shown_names(other)}); a run only ever replaces an earlier run's folder",
-                              "choose another --out, or an empty or new folder")
-    if prev != fingerprint and not overwrite:
-        raise CheckpointError(f"output folder {out} already holds a different run",
-                              "choose another --out, or pass --overwrite to replace it")
+    return dict(kind=RUN_OUTPUT, inputs=[src] if src is not None else [], error=CheckpointError)
+
+
+def _check_out(out: Path, fingerprint: str, overwrite: bool, model: str | None = None) -> None:
+    """Refuse an output folder that would lose data (:func:`runtime.files.check_output`):
+    one that is, holds or lies in the input model's folder (or is or holds the model
+    file); a folder with anything besides an earlier run's :data:`RUN_ENTRIES` (its
+    ``report.json`` carrying a ``fingerprint``), even with ``overwrite``; a different run
+    without ``overwrite``; one another process is writing."""
+    check_output(out, overwrite=overwrite, run_id=fingerprint, **_out_guard(model))
 
 
 def _profile(folder: Path, cfg: RunConfig) -> dict[str, Any]:
-    from runtime.profiler import profile
+    from devices.profiler import profile
 
     rep = profile(folder, "cpu-host", prompt_len=cfg.prompt_len, gen_len=cfg.gen_len,
                   repeat=cfg.repeat, targets=[])
@@ -296,7 +285,7 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
 
     Raises:
         EdgePruneError subclasses: bad settings, unloadable model, too little text,
-        an output folder holding another run.
+        an output folder holding another run or being written by another process.
     """
     import torch
 
@@ -315,7 +304,7 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
     recipe = build_recipe(cfg)
     recipe.validate()
     # every count of the later stages now, not after minutes of calibration
-    from runtime.profiler import check_profile_args
+    from devices.profiler import check_profile_args
     check_profile_args(cfg.prompt_len, cfg.gen_len, cfg.repeat, cfg.threads)
     if isinstance(cfg.eval_seqlen, bool) or not isinstance(cfg.eval_seqlen, int) or cfg.eval_seqlen < 2:
         raise ConfigError(f"eval_seqlen={cfg.eval_seqlen!r} must be an integer >= 2",
@@ -328,9 +317,10 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
     t_all = time.perf_counter()
     secs: dict[str, float] = {}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    # claimed until the folder is written (a second run into it is refused at once), and
+    # built in a temporary sibling renamed into place: a failure leaves nothing
+    with claim_output(out, overwrite=overwrite, run_id=fp, **_out_guard(cfg.model)), \
+            atomic_folder(out, overwrite=True, error=CheckpointError) as tmp:
         t = time.perf_counter()
         log(f"[1/6] loading {cfg.model}")
         dense, tok, src = load_model(cfg.model, return_source=True, device=cfg.device)
@@ -417,25 +407,12 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
             export={k: dict(ex.parity, file_mb=_file_mb(ex.folder), timings=ex.timings) for k, ex in exports.items()},
             seconds=secs)
         report.speed = speed  # type: ignore[attr-defined]
-        (tmp / "report.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
+        write_json(tmp / "report.json", report.to_dict())
         (tmp / "report.md").write_text(report.to_markdown())
-        from exporters.folder import plain_modes
-        plain_modes(tmp)
-        # Rewrite the export folders' recorded paths to the final location.
-        for ex in exports.values():
-            ex.folder = out / ex.folder.name
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-        report.out_dir = str(out)
-        return report
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    # the export folders' recorded paths: their final location
+    for ex in exports.values():
+        ex.folder = out / ex.folder.name
+    return report
 
 
 __all__ = ["RunConfig", "RunReport", "run_pipeline", "build_recipe", "DEFAULT_METHOD",

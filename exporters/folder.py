@@ -1,36 +1,21 @@
-"""Writing an export folder atomically (temp dir in the same parent, then rename)."""
+"""An export folder: what it holds, the guard and claim on it, and writing it atomically.
+
+The mechanisms (the output guard, the claim, the atomic folder and JSON writers) live in
+:mod:`runtime.files`; this module gives them the export's kind (:data:`EXPORT_OUTPUT`)
+and error (:class:`~runtime.errors.ExportError`), and keeps the export-only writers
+(tokenizer, page-aligned external data).
+"""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 from runtime.errors import ExportError
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "generation_config.json")
-
-
-def source_conflict(out, sources) -> "str | None":
-    """Why writing ``out`` (and, on overwrite, replacing it) would touch an input, or
-    ``None``. A source folder: ``out`` is it, lies inside it or holds it. A source file
-    (a ``.gguf``): ``out`` is it or holds it (a folder beside it is harmless)."""
-    out = Path(out).expanduser().resolve()
-    for src in sources:
-        src = Path(src).expanduser().resolve()
-        if src.is_dir():
-            if out == src or src in out.parents:
-                return f"{out} is or lies inside the input model folder {src}"
-            if out in src.parents:
-                return f"{out} holds the input model folder {src}"
-        elif out == src or out in src.parents:
-            return f"{out} is or holds the input model file {src}"
-    return None
-
+from runtime.files import (OutputKind, atomic_folder as _atomic_folder, check_output,
+                           claim_output, foreign_entries, plain_modes, shown_names,
+                           source_conflict, write_json)
 
 #: Files a Hugging Face tokenizer's ``save_pretrained`` may write (exports and checkpoints
 #: carry the model's tokenizer).
@@ -42,47 +27,57 @@ TOKENIZER_FILES = frozenset({
 #: refuses to delete it.
 EXPORT_FILES = frozenset({"model.onnx", "model.onnx.data", "edgeprune.json",
                           "genai_config.json"}) | TOKENIZER_FILES
+#: An export folder, for the output guard: replaced as a whole, marked by
+#: ``edgeprune.json``; an existing folder (even empty) needs ``overwrite``.
+EXPORT_OUTPUT = OutputKind("export", files=EXPORT_FILES, marker="edgeprune.json", empty_ok=False)
 
 
-def foreign_entries(out: Path, allowed=None, marker: str | None = None) -> list[str]:
-    """Names in the existing folder ``out`` that a replacement would delete although no
-    edgeprune step wrote them: everything when ``marker`` (e.g. ``edgeprune.json``) is
-    missing, else the names outside ``allowed`` (``None``: any name)."""
-    names = sorted(p.name for p in out.iterdir())
-    if marker is not None and marker not in names:
-        return names
-    return [n for n in names if allowed is not None and n not in allowed]
+def check_out_dir(out_dir: Path, source_dirs: list[Path], overwrite: bool, *,
+                  label: str | None = None) -> None:
+    """Refuse an export folder before any work (:func:`runtime.files.check_output` with
+    :data:`EXPORT_OUTPUT`): one that is, holds or lies in an input
+    (:func:`source_conflict`), is a file, cannot be written, is being written by another
+    process, exists without ``overwrite``, or, even with it, holds files that are not an
+    earlier export's (they would be deleted).
 
-
-def check_out_dir(out_dir: Path, source_dirs: list[Path], overwrite: bool) -> None:
-    """Refuse an output path that is, holds or lies in an input (:func:`source_conflict`),
-    an existing one without ``overwrite``, and, even with it, a folder that is not an
-    earlier export (no ``edgeprune.json``): its files would be deleted.
+    Args:
+        out_dir: the export folder.
+        source_dirs: the model's input files and folders.
+        overwrite: an earlier export there may be replaced.
+        label: how messages name the path (the CLI's argument, e.g. ``OUT``).
 
     Raises:
         ExportError: with the fix (pick another path / pass overwrite=True).
     """
-    why = source_conflict(out_dir, source_dirs)
-    if why:
-        raise ExportError(f"refusing to export there: {why}",
-                          "choose an output path outside the model's folder")
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"{out_dir} exists and is not a folder", "choose a new path")
-    if out.exists() and not overwrite:
-        raise ExportError(f"output folder {out_dir} already exists",
-                          "pass overwrite=True (--overwrite) or choose a new path")
-    if out.exists():
-        other = foreign_entries(out, EXPORT_FILES, marker="edgeprune.json")
-        if other:
-            raise ExportError(f"output folder {out_dir} holds files that are not an edgeprune "
-                              f"export ({shown_names(other)}); overwrite only replaces an earlier export",
-                              "move those files out, or choose a new or empty output path")
+    check_output(out_dir, EXPORT_OUTPUT, inputs=source_dirs, overwrite=overwrite,
+                 error=ExportError, label=label)
 
 
-def shown_names(names: list[str], k: int = 4) -> str:
-    """The first ``k`` names for an error message, ``", ..."`` after them when cut."""
-    return ", ".join(names[:k]) + (", ..." if len(names) > k else "")
+def claim_out_dir(out_dir: Path, source_dirs: list[Path], overwrite: bool, *,
+                  label: str | None = None):
+    """:func:`check_out_dir`, then claim the folder for this process until the export is
+    written (:func:`runtime.files.claim_output`): a second export into the same folder is
+    refused at once. Call it before loading the model and hold it around the work::
+
+        with claim_out_dir(out, [source], overwrite, label="OUT"):
+            model, tok = load_model(source)
+            export_onnx(model, tok, out, overwrite=overwrite, ...)
+
+    Returns:
+        The held :class:`runtime.files.OutputClaim` (a context manager).
+
+    Raises:
+        ExportError: everything :func:`check_out_dir` refuses; another writer holds it.
+    """
+    return claim_output(out_dir, EXPORT_OUTPUT, inputs=source_dirs, overwrite=overwrite,
+                        error=ExportError, label=label)
+
+
+def atomic_folder(out_dir: Path, overwrite: bool = False):
+    """Yield a temporary folder beside ``out_dir``, renamed to ``out_dir`` on success
+    (:func:`runtime.files.atomic_folder`, raising :class:`ExportError`); on any exception
+    nothing is left and an existing ``out_dir`` is untouched."""
+    return _atomic_folder(out_dir, overwrite=overwrite, error=ExportError)
 
 
 def check_disk(parent: Path, needed_bytes: int) -> None:
@@ -96,75 +91,6 @@ def check_disk(parent: Path, needed_bytes: int) -> None:
         raise ExportError(f"not enough disk space in {parent}: {free / 2**20:.0f} MiB free, "
                           f"~{need / 2**20:.0f} MiB needed",
                           "free some space or export to another disk")
-
-
-def _fsync_tree(folder: Path) -> None:
-    """Flush every file of ``folder`` (and the folder) to disk before it is renamed into
-    place, so a crash right after the rename cannot leave a complete-looking folder with
-    truncated files; it also leaves no dirty page-cache pages behind for the runtime's
-    memory-mapped weights."""
-    for p in sorted(folder.rglob("*")):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:        # folders cannot be opened for fsync on some platforms
-        pass
-
-
-def plain_modes(path: Path) -> None:
-    """Give ``path`` (a file, or a folder and all it holds) the permissions a plain
-    ``mkdir``/``open`` would: ``0o777`` / ``0o666`` minus the umask. ``mkdtemp`` and
-    ``mkstemp`` create 0700 / 0600 and safetensors writes 0600, which would hide the
-    outputs from the other users or the service account an app runs as."""
-    path = Path(path)
-    mask = os.umask(0)
-    os.umask(mask)
-    for p in [path] + (sorted(path.rglob("*")) if path.is_dir() else []):
-        if not p.is_symlink():
-            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
-
-
-@contextmanager
-def atomic_folder(out_dir: Path, overwrite: bool = False):
-    """Yield a temp folder next to ``out_dir``; rename it to ``out_dir`` on success.
-
-    On any exception the temp folder is removed: nothing half-written is left.
-    """
-    out_dir = Path(out_dir)
-    made = [p for p in [out_dir.parent, *out_dir.parent.parents] if not p.exists()]
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        yield tmp
-        plain_modes(tmp)
-        _fsync_tree(tmp)
-        if out_dir.exists():
-            if not overwrite:
-                raise ExportError(f"output folder {out_dir} appeared during the export",
-                                  "pass overwrite=True or choose a new path")
-            trash = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-            os.replace(out_dir, trash)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for p in made:                 # the parent folders this export created, innermost first
-            try:
-                p.rmdir()
-            except OSError:
-                break
-        raise
 
 
 def save_tokenizer(tokenizer, folder: Path) -> list[str]:
@@ -232,7 +158,7 @@ def row_read_ranges(proto, placed: dict[str, tuple[int, int]]) -> list[list[int]
     initializers the graph reads a row at a time: the data input of a ``Gather`` (the
     embedding table, the quantized codes shared with the head, float zero points). The
     runtime gives just these ranges small page-cache pages before loading
-    (``runtime.session._small_page_cache``); every other initializer is read whole by
+    (``runtime.memory.small_page_cache``); every other initializer is read whole by
     onnxruntime's pre-packing (or folded into a copy) and then dropped from memory.
     """
     names = {n.input[0] for n in proto.graph.node
@@ -246,19 +172,6 @@ def row_read_ranges(proto, placed: dict[str, tuple[int, int]]) -> list[list[int]
     return out
 
 
-def write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, default=_default))
-
-
-def _default(o):
-    import numpy as np
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    return str(o)
-
-
-__all__ = ["check_out_dir", "check_disk", "atomic_folder", "save_tokenizer", "write_json"]
+__all__ = ["check_out_dir", "claim_out_dir", "check_disk", "atomic_folder", "save_tokenizer",
+           "write_json", "save_external", "row_read_ranges", "source_conflict", "foreign_entries",
+           "shown_names", "plain_modes", "EXPORT_FILES", "TOKENIZER_FILES", "EXPORT_OUTPUT"]

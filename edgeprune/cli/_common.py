@@ -3,15 +3,14 @@ compression options of ``run`` and ``compress``."""
 
 from __future__ import annotations
 
-import json
-import math
-import os
 from pathlib import Path
 from typing import Any, Optional
 
 import click
 
 from runtime.errors import ConfigError
+from runtime.files import FILE_OUTPUT, FOLDER_OUTPUT, check_output, write_json
+from runtime.files import json_ready as _finite  # noqa: F401 - edgeprune.cli._finite
 
 METHODS = ["magnitude", "wanda", "sparsegpt", "rtn", "gptq", "awq"]
 
@@ -28,63 +27,27 @@ def _console():
 
 
 def _write_json(path: Optional[str], data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (temporary file, then rename)."""
-    from runtime.files import atomic_write
-
+    """Write ``data`` as JSON to ``path`` atomically (:func:`runtime.files.write_json`:
+    non-finite floats as ``"inf"`` / ``"-inf"`` / ``"nan"``, numpy values as numbers);
+    nothing without a path."""
     if path:
-        atomic_write(Path(path), json.dumps(_finite(data), indent=2, default=str))
-
-
-def _finite(x):
-    """``x`` with non-finite floats as the strings ``"inf"``, ``"-inf"``, ``"nan"`` (strict
-    JSON has no NaN / Infinity; json.dumps would write them anyway)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
+        write_json(Path(path), data)
 
 
 def _check_output(path: Optional[str], flag: str, inputs=(), folder: bool = False) -> None:
     """Refuse, before any work, an output path (``--json`` file, ``--out`` folder the
     command adds files to) that is or lies in an input folder (or is an input file), has
     the wrong kind (a folder for a file, a file for a folder), or whose nearest existing
-    parent cannot take a new file (a file, read-only, ``/proc``): probed with an unnamed
-    temporary file. The path is checked as given, as the writers use it (a quoted ``~``
-    is a folder named ``~``, not the home folder).
+    parent cannot take a new file (a file, read-only, ``/proc``): the one output guard,
+    :func:`runtime.files.check_output`. The path is checked as given, as the writers use
+    it (a quoted ``~`` is a folder named ``~``, not the home folder).
 
     Raises:
         ConfigError: naming the flag, the path and the fix.
     """
-    import tempfile
-
-    if not path:
-        return
-    p = Path(path).resolve()
-    for src in inputs:
-        if not src or not Path(src).exists():
-            continue          # a model alias, or an input the command reports itself
-        src = Path(src).resolve()
-        if p == src or (src.is_dir() and src in p.parents):
-            raise ConfigError(f"refusing to write {flag} {path}: it is or lies inside the "
-                              f"input {src}", f"write {flag} outside the input folder")
-    if folder and p.exists() and not p.is_dir():
-        raise ConfigError(f"{flag} {path} is a file, not a folder", f"pass a folder to {flag}")
-    if not folder and (p.is_dir() or str(path).endswith(("/", os.sep))):
-        raise ConfigError(f"{flag} {path} names a folder", f"pass a file path, e.g. {flag} out.json")
-    parent = p if folder and p.is_dir() else p.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    try:
-        if not parent.is_dir():
-            raise OSError(f"{parent} is not a folder")
-        with tempfile.TemporaryFile(dir=parent):
-            pass
-    except OSError as e:
-        raise ConfigError(f"{flag} {path} cannot be written ({e})",
-                          f"pass a path in a writable folder to {flag}") from e
+    if path:
+        check_output(path, FOLDER_OUTPUT if folder else FILE_OUTPUT, inputs=inputs,
+                     error=ConfigError, label=flag)
 
 
 def _parse_pattern(pattern: Optional[str]) -> tuple[Optional[int], Optional[int]]:

@@ -26,7 +26,6 @@ from ._common import METHODS, _check_output, _console, _parse_pattern, _write_js
 def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, calib, nsamples, seqlen,
                  seed, device, out_dir, fmt, asym_layout, overwrite, json_path):
     """Compress MODEL with a method or recipe and save a checkpoint."""
-    _check_output(out_dir, "--out", folder=True)   # writable; input protection follows
     _check_output(json_path, "--json", [model])
     from .. import checkpoint as ckpt
     from ..calibration import build_calibration
@@ -45,22 +44,25 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
     from ..models import local_source
 
     local = local_source(model)               # the input model's file or folder (aliases too)
-    # refused before any work: the input's folder, a folder of foreign files, or another
-    # run's checkpoint without --overwrite (save_checkpoint checks again when it writes)
-    ckpt.check_out_dir(Path(out_dir).expanduser().resolve(), [local] if local is not None else [],
-                       overwrite)
-    con = _console()
-    m, tok, src = load_model(model, return_source=True, device=device)
-    check_recipe(m, rec)                     # shapes vs recipe before calibrating
-    cal = build_calibration(tok, calib, nsamples=cfg.nsamples, seqlen=seqlen, seed=seed,
-                            model_max_length=getattr(m.config, "max_position_embeddings", None), model=m)
-    res = compress(m, rec, cal.input_ids, device=device)
-    res.calibration = cal.info
-    if res.quantized and fmt == "dense":
-        con.print("note: --format dense stores dequantized floats; integer codes are not kept")
-    path = ckpt.save_checkpoint(m, tok, res, out_dir, format=fmt, overwrite=overwrite, asym_layout=asym_layout,
-                                provenance=dict(method=rec.to_dict(), source=src.to_dict(),
-                                                calibration=cal.info, seed=seed))
+    # refused before any work, and claimed until the checkpoint is written: the input's
+    # folder, an unwritable path, a folder of foreign files, another run's checkpoint
+    # without --overwrite, or a folder another compress is writing right now
+    with ckpt.claim_out_dir(Path(out_dir).expanduser().resolve(), [local] if local is not None else [],
+                            overwrite, label="--out"):
+        con = _console()
+        m, tok, src = load_model(model, return_source=True, device=device)
+        check_recipe(m, rec)                     # shapes vs recipe before calibrating
+        cal = build_calibration(tok, calib, nsamples=cfg.nsamples, seqlen=seqlen, seed=seed,
+                                model_max_length=getattr(m.config, "max_position_embeddings", None),
+                                model=m)
+        res = compress(m, rec, cal.input_ids, device=device)
+        res.calibration = cal.info
+        if res.quantized and fmt == "dense":
+            con.print("note: --format dense stores dequantized floats; integer codes are not kept")
+        path = ckpt.save_checkpoint(m, tok, res, out_dir, format=fmt, overwrite=overwrite,
+                                    asym_layout=asym_layout,
+                                    provenance=dict(method=rec.to_dict(), source=src.to_dict(),
+                                                    calibration=cal.info, seed=seed))
     summ = res.summary()
     con.print(f"compressed {model} with {rec.to_dict()} in {res.seconds:.1f} s -> {path}")
     if summ.get("avg_bits_per_weight"):

@@ -25,7 +25,7 @@ from ._common import _check_output, _console, _table, _write_json
 def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets, out_dir, threads, json_path):
     """Measure latency and memory of an exported FOLDER under a device profile."""
     from runtime.files import atomic_write
-    from runtime.profiler import profile
+    from devices.profiler import profile
 
     # outputs checked before minutes of measuring, not after
     _check_output(out_dir, "--out", [folder], folder=True)

@@ -12,7 +12,8 @@ Usage: ``python _rss_worker.py FOLDER MODE N`` with MODE
   tokens; prints JSON ``{"weights_rss"}``: bytes of the weight file's mappings still
   resident (the embedding rows read through the memory map).
 * ``long``: ``N`` new tokens in one run with the sliding-window context policy, RSS
-  sampled every 20 ms by a thread; prints JSON ``{"samples": [[t_s, rss_bytes], ...],
+  sampled every 20 ms by a thread into a buffer allocated before the run (so the
+  sampling itself adds no RSS); prints JSON ``{"samples": [[t_s, rss_bytes], ...],
   "seconds", "tokens"}``.
 
 Fresh process per measurement: ``VmHWM`` is per process, so nothing earlier leaks in.
@@ -25,6 +26,11 @@ import json
 import sys
 import threading
 import time
+
+import numpy as np
+
+#: samples the ``long`` mode's buffer holds (~44 min at one per 20 ms; then halved)
+SAMPLE_CAP = 1 << 17
 
 
 def _hwm() -> int:
@@ -47,10 +53,10 @@ def main() -> None:
     sess.eos_token_ids = []                      # generate exactly n tokens
     prompt = list(range(1000, 1128))             # 128 tokens
     if mode == "embed":
-        from runtime.session import _weight_mappings
+        from runtime.memory import weight_mappings
         step = sess.vocab_size // 128
         sess.generate(list(range(0, 128 * step, step)), max_new_tokens=n)
-        print(json.dumps({"weights_rss": sum(m["Rss"] for m in _weight_mappings(folder))}))
+        print(json.dumps({"weights_rss": sum(m["Rss"] for m in weight_mappings(folder))}))
         return
     if mode == "peak":
         r = sess.generate(prompt, max_new_tokens=n)
@@ -62,19 +68,30 @@ def main() -> None:
                           "huge_page_bytes": sess.huge_page_bytes, "anon_huge": sum(huge)}))
         return
     proc = psutil.Process()
-    samples, stop = [], threading.Event()
+    # the samples go to a buffer allocated and touched before the run: a growing list
+    # costs ~136 B a sample, 4.5 MiB over a 15-minute run on a loaded machine, which the
+    # test would read as the runtime's growth
+    buf = np.full((SAMPLE_CAP, 2), -1.0)
+    count, stop = [0], threading.Event()
     t0 = time.perf_counter()
 
     def sample():
+        i, interval = 0, 0.02
         while not stop.is_set():
-            samples.append([time.perf_counter() - t0, proc.memory_info().rss])
-            time.sleep(0.02)
+            if i == SAMPLE_CAP:                  # full: keep every other sample, sample half as often
+                buf[:SAMPLE_CAP // 2] = buf[::2].copy()
+                i, interval = SAMPLE_CAP // 2, 2 * interval
+            buf[i] = (time.perf_counter() - t0, proc.memory_info().rss)
+            i += 1
+            count[0] = i
+            time.sleep(interval)
 
     th = threading.Thread(target=sample, daemon=True)
     th.start()
     r = sess.generate(prompt, max_new_tokens=n)
     stop.set()
     th.join()
+    samples = [[t, int(rss)] for t, rss in buf[:count[0]].tolist()]
     print(json.dumps({"samples": samples, "seconds": time.perf_counter() - t0,
                       "tokens": len(r.token_ids[0])}))
 

@@ -6,7 +6,7 @@ import pytest
 
 import devices
 from runtime.errors import DeviceError
-from runtime.profiler import model_work, profile
+from devices.profiler import model_work, profile
 
 pytestmark = pytest.mark.integration
 

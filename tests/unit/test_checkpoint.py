@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from edgeprune import checkpoint as ckpt
+from edgeprune.checkpoint import save as ckpt_save
 from edgeprune.checkpoint import (load_checkpoint, pack_int32, save_checkpoint, unpack_int32,
                                   is_edgeprune_checkpoint)
 from edgeprune.errors import CheckpointError
@@ -318,7 +318,7 @@ def test_failing_write_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(ckpt, "_write_safetensors", boom)
+    monkeypatch.setattr(ckpt_save, "_write_safetensors", boom)
     with pytest.raises(CheckpointError, match="disk full"):
         save_checkpoint(tiny_llama, None, res, tmp_path / "f", provenance=PROV)
     assert os.listdir(tmp_path) == []
@@ -326,7 +326,7 @@ def test_failing_write_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.undo()
     out = save_checkpoint(tiny_llama, None, res, tmp_path / "f", provenance=PROV)
     before = (out / "model.safetensors").read_bytes()
-    monkeypatch.setattr(ckpt, "_write_safetensors", boom)
+    monkeypatch.setattr(ckpt_save, "_write_safetensors", boom)
     with pytest.raises(CheckpointError):
         save_checkpoint(tiny_llama, None, res, out, provenance={**PROV, "seed": 5}, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["f"]
@@ -337,7 +337,7 @@ def test_failing_write_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
     def interrupt(tensors, path):
         path.write_bytes(b"partial")
         raise KeyboardInterrupt
-    monkeypatch.setattr(ckpt, "_write_safetensors", interrupt)
+    monkeypatch.setattr(ckpt_save, "_write_safetensors", interrupt)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tiny_llama, None, res, tmp_path / "new" / "g", provenance=PROV)
     assert sorted(os.listdir(tmp_path)) == ["f"]
@@ -425,3 +425,37 @@ def test_overwrite_never_deletes_the_users_files(tiny_llama, tmp_path):
     (out / "notes.txt").unlink()
     (out / "mydata").rmdir()
     save_checkpoint(tiny_llama, None, res, out, provenance={**PROV, "seed": 3}, overwrite=True)
+
+
+def test_a_second_writer_is_refused_at_once(tiny_llama, tmp_path):
+    """Two compress runs into one new folder both reported success and one result was
+    silently lost (the existence check came before the rename, in both). While another
+    process holds the folder, the save is refused and writes nothing; after it, the
+    checkpoint is written and nothing is left beside it."""
+    from _claims import claim_held_elsewhere
+
+    res = _quantize(tiny_llama)
+    with claim_held_elsewhere(tmp_path / "racek") as pid:
+        with pytest.raises(CheckpointError, match=rf"racek is being written by another edgeprune "
+                                                  rf"process \(pid {pid}\)"):
+            save_checkpoint(tiny_llama, None, res, tmp_path / "racek", provenance=PROV)
+        assert os.listdir(tmp_path) == [".racek.lock"]
+    save_checkpoint(tiny_llama, None, res, tmp_path / "racek", provenance=PROV)
+    assert os.listdir(tmp_path) == ["racek"] and is_edgeprune_checkpoint(tmp_path / "racek")
+
+
+def test_a_killed_save_is_cleaned_up_by_the_next(tiny_llama, tmp_path):
+    """A save killed mid-write (SIGKILL: no exception handler runs) left its lock and a
+    hidden temporary folder; the next save into that folder removes both."""
+    import socket
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    (tmp_path / ".ck.lock").write_text(json.dumps({"pid": p.pid, "host": socket.gethostname(),
+                                                   "start": None, "token": "gone"}))
+    (tmp_path / f".ck.tmp-{p.pid}-x1y2z3").mkdir()
+    (tmp_path / f".ck.tmp-{p.pid}-x1y2z3" / "model.safetensors").write_bytes(b"half")
+    out = save_checkpoint(tiny_llama, None, _quantize(tiny_llama), tmp_path / "ck", provenance=PROV)
+    assert os.listdir(tmp_path) == ["ck"] and is_edgeprune_checkpoint(out)

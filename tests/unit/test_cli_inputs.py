@@ -4,6 +4,7 @@ naming the fix, raised before any work, and nothing of the user's lost."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -506,6 +507,10 @@ def test_table_cells_and_json_of_tiny_or_infinite_figures():
     assert format_value(3.14159) == "3.1416" and format_value(31.94) == "31.9"
     assert json.loads(json.dumps(_finite({"ppl": float("inf"), "x": [float("nan"), 1.0]}))) == \
         {"ppl": "inf", "x": ["nan", 1.0]}
+    # the CLI's --json and every other JSON output go through the one writer
+    from runtime.files import json_ready
+    assert _finite is json_ready
+    assert _finite({"kl": np.float32(0.25), "n": np.int64(3)}) == {"kl": 0.25, "n": 3}
 
 
 def test_devices_lists_the_sources_and_leank_takes_the_options_its_errors_name(model_dir, tmp_path, capsys):
@@ -539,3 +544,24 @@ def test_run_with_a_too_short_eval_text_fails_before_calibrating(model_dir, tmp_
                             "--eval-text", short, "--eval-seqlen", "32", "--out", tmp_path / "r"], capsys)
     one_line_error(code, err, "0 windows of 32", "--eval-nwindows / --eval-seqlen")
     assert not (tmp_path / "r").exists()
+
+
+def test_compress_into_a_folder_another_compress_writes_is_refused_at_once(model_dir, tmp_path, capsys,
+                                                                           monkeypatch):
+    """`for b in 4 8; do edgeprune compress ... --out racek & done; wait`: both exited 0
+    and one result was lost. The second is refused before loading the model, naming the
+    first's pid; the first's folder is untouched."""
+    from _claims import claim_held_elsewhere
+
+    import edgeprune.models as models
+
+    def boom(*a, **k):
+        raise AssertionError("loaded the model while another process writes --out")
+
+    monkeypatch.setattr(models, "load_model", boom)
+    with claim_held_elsewhere(tmp_path / "racek") as pid:
+        code, _, err = run_cli(["compress", model_dir, "--method", "rtn", "--bits", "8", *CAL,
+                                "--out", tmp_path / "racek"], capsys)
+        one_line_error(code, err, f"--out {tmp_path / 'racek'} is being written by another "
+                                  f"edgeprune process (pid {pid})")
+    assert os.listdir(tmp_path) == []

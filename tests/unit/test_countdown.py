@@ -410,7 +410,7 @@ def test_profiler_counts_the_weights_inside_if_branches(tmp_path, tiny, specs):
     include it (an upper bound: the dense branch), and its node count takes the longer
     (filtered decode) branch; they were left out (half the bytes on this model)."""
     from exporters import export_onnx
-    from runtime.profiler import model_work
+    from devices.profiler import model_work
     model, tok = tiny
     dense = model_work(export_onnx(model, tok, tmp_path / "dense", max_length=128, validate=False).folder)
     res = _export(tmp_path, tiny, specs["d"][1], "if")

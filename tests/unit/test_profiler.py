@@ -1,4 +1,4 @@
-"""runtime.profiler on a tiny exported llama: measured figures, budget, projection, sweep, errors."""
+"""devices.profiler on a tiny exported llama: measured figures, budget, projection, sweep, errors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tiny import export_tiny_llama
 
 import devices
 from runtime.errors import DeviceError, GenerationError, RuntimeLoadError
-from runtime.profiler import gpu_availability, model_work, profile
+from devices.profiler import gpu_availability, model_work, profile
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import pytest
 
 import exporters
 import runtime
-import runtime.session as rs
+import runtime.generation as rg
+import runtime.memory as rm
 from runtime.errors import DeviceError, GenerationError, RuntimeLoadError
 
 from tiny import byte_tokenizer
@@ -37,10 +38,10 @@ def test_kv_buffers_sized_per_call_and_reused(folder, monkeypatch):
     with runtime.load(folder) as s:                  # a small cache spans the whole context
         s.generate([5, 6, 7], max_new_tokens=4)
         assert s._caches[1].arrays[0].shape[2] == 600
-    monkeypatch.setattr(rs, "FULL_KV_BYTES", 0)       # as if the whole context were large
+    monkeypatch.setattr(rg, "FULL_KV_BYTES", 0)       # as if the whole context were large
     asked = []
-    real = rs._check_memory
-    monkeypatch.setattr(rs, "_check_memory",
+    real = rm.check_memory
+    monkeypatch.setattr(rm, "check_memory",
                         lambda n, what, fix: ("KV cache" in what and asked.append(n)) or real(n, what, fix))
     with runtime.load(folder) as s:
         s.eos_token_ids = []
@@ -77,7 +78,7 @@ def test_unequal_rows_prefilled_one_by_one_give_the_same_tokens(folder, monkeypa
         calls = []
         orig = s._run_fused
         monkeypatch.setattr(s, "_run_fused", lambda *a: calls.append(a[0].shape) or orig(*a))
-        monkeypatch.setattr(rs, "PREFILL_LOGITS_BYTES", 0)
+        monkeypatch.setattr(rg, "PREFILL_LOGITS_BYTES", 0)
         rowwise = s.generate(prompts, max_new_tokens=6).token_ids
     assert rowwise == batched == alone
     assert calls == [(1, 57), (1, 1), (1, 3)]
@@ -86,7 +87,7 @@ def test_unequal_rows_prefilled_one_by_one_give_the_same_tokens(folder, monkeypa
 def test_logits_checks_its_buffers_against_memory(folder, monkeypatch):
     """logits() allocates a KV cache and B x S x vocab logits: checked like generate()'s."""
     seen = []
-    monkeypatch.setattr(rs, "_check_memory", lambda n, what, fix: seen.append((n, what)))
+    monkeypatch.setattr(rm, "check_memory", lambda n, what, fix: seen.append((n, what)))
     with runtime.load(folder) as s:
         s.logits(np.array([[1, 2, 3, 4]] * 2))
         kv = sum(s.kv.bytes(4, 2).values())
@@ -95,8 +96,8 @@ def test_logits_checks_its_buffers_against_memory(folder, monkeypatch):
 
 def test_check_memory_names_the_size_and_the_fix():
     with pytest.raises(GenerationError, match=r"needs \d+ MiB, more than .* available.*fewer rows"):
-        rs._check_memory(1 << 60, "the KV cache for 9 row(s) x 256 tokens", "generate fewer rows")
-    rs._check_memory(1024, "x", "y")                           # small: fine
+        rm.check_memory(1 << 60, "the KV cache for 9 row(s) x 256 tokens", "generate fewer rows")
+    rm.check_memory(1024, "x", "y")                           # small: fine
 
 
 def test_suspended_stream_raises_instead_of_hanging(folder):
@@ -318,11 +319,12 @@ def test_truncated_weight_file_is_named(tmp_path):
 
 
 def test_profile_checks_arguments_before_measuring(folder, monkeypatch, tmp_path):
-    import runtime.profiler as rp
+    import devices.profiler as rp
+    import devices.profiler.measure as measure
 
     def no(*a, **k):
         raise AssertionError("measured before checking the arguments")
-    monkeypatch.setattr(rp, "_run_worker", no)
+    monkeypatch.setattr(measure, "run_worker", no)
     with pytest.raises(DeviceError, match="raspbery-pi-5"):
         rp.profile(folder, "cpu-host", prompt_len=8, gen_len=4, repeat=1, targets=["raspbery-pi-5"])
     with pytest.raises(GenerationError, match="gen_len must be an integer >= 2"):
@@ -333,9 +335,10 @@ def test_profile_checks_arguments_before_measuring(folder, monkeypatch, tmp_path
     # not asked for failed only after the whole run (its measurement lost)
     import shutil
     import devices
+    import devices.catalog
     broken = tmp_path / "profiles"
     shutil.copytree(devices.PROFILE_DIR, broken)
     (broken / "raspberry-pi-5.toml").write_text("name = [unclosed")
-    monkeypatch.setattr(devices, "PROFILE_DIR", broken)
+    monkeypatch.setattr(devices.catalog, "PROFILE_DIR", broken)
     with pytest.raises(DeviceError, match="raspberry-pi-5.toml"):
         rp.profile(folder, "cpu-host", prompt_len=8, gen_len=4, repeat=1)

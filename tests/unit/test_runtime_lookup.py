@@ -202,11 +202,12 @@ def test_close_mid_generation_stops_confirmed_drafts_too(folders, no_gate):
 def test_draft_length_adapts_pass_by_pass(folders, monkeypatch, no_gate):
     """Each pass drafts at most what the schedule allows after the previous pass: the
     full prompt_lookup_num_tokens after confirmed drafts, fewer after rejections."""
+    import runtime.generation as rg
     import runtime.session as rs
     _, f = folders
     ids = _repetitive()
     asked, passes = [], []
-    real_find, real_verify = rs.find_draft, rs.Session._verify
+    real_find, real_verify = rg.find_draft, rs.Session._verify
 
     def find(tokens, n, num):
         asked.append(num)
@@ -217,7 +218,7 @@ def test_draft_length_adapts_pass_by_pass(folders, monkeypatch, no_gate):
         passes.append((len(asked) - 1, len(draft), len(out) - 1))
         return out
 
-    monkeypatch.setattr(rs, "find_draft", find)
+    monkeypatch.setattr(rg, "find_draft", find)
     monkeypatch.setattr(rs.Session, "_verify", verify)
     with runtime.load(f["fused"]) as s:
         s.eos_token_ids = []

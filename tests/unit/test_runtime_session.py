@@ -309,13 +309,12 @@ def test_mapped_weight_pages_dropped_for_a_freshly_written_folder(tmp_path, monk
     with runtime.load(tmp_path / "a") as s:
         ref = s.logits(ids)
     shutil.copytree(tmp_path / "a", tmp_path / "fresh")   # new file: dirty page cache
-    import runtime.session as rs
-    from runtime.session import _weight_mappings
+    import runtime.memory as rm
     # the load's page-cache re-read (POSIX_FADV_DONTNEED) starts writeback of the dirty
     # pages; skip it so this checks the drop rule itself
-    monkeypatch.setattr(rs, "_small_page_cache", lambda path, ranges=None: False)
+    monkeypatch.setattr(rm, "small_page_cache", lambda path, ranges=None: False)
     with runtime.load(tmp_path / "fresh") as s:
-        maps = _weight_mappings(tmp_path / "fresh")
+        maps = rm.weight_mappings(tmp_path / "fresh")
         assert maps and sum(m["Rss"] for m in maps) == 0
         np.testing.assert_array_equal(s.logits(ids), ref)
 
@@ -329,7 +328,7 @@ def test_small_page_cache_reads_only_the_row_read_tables(tmp_path, monkeypatch):
     import onnx
     from transformers import LlamaConfig
     from tiny import tiny_model
-    import runtime.session as rs
+    import runtime.memory as rm
     model = tiny_model(LlamaConfig, tie_word_embeddings=True)
     r = exporters.export_onnx(model, byte_tokenizer(), tmp_path / "a", precision="int4",
                               max_length=64, validate=False)
@@ -351,13 +350,13 @@ def test_small_page_cache_reads_only_the_row_read_tables(tmp_path, monkeypatch):
     assert sum(n for _, n in ranges) < data.stat().st_size / 2
     read = []
     real = os.pread
-    monkeypatch.setattr(rs.os, "pread", lambda fd, n, off: read.append((off, n)) or real(fd, n, off))
-    assert rs._small_page_cache(data, ranges)
+    monkeypatch.setattr(rm.os, "pread", lambda fd, n, off: read.append((off, n)) or real(fd, n, off))
+    assert rm.small_page_cache(data, ranges)
     expect = sum(-(-(a + n) // 4096) * 4096 - a // 4096 * 4096 for a, n in ranges)
     assert sum(n for _, n in read) == min(expect, data.stat().st_size)
     assert min(o for o, _ in read) == ranges[0][0] // 4096 * 4096
     read.clear()
-    assert rs._small_page_cache(data, None)
+    assert rm.small_page_cache(data, None)
     assert sum(n for _, n in read) == data.stat().st_size
     with runtime.load(tmp_path / "a") as s:      # and the load path passes the ranges
         assert s.meta["row_read_ranges"] == ranges

@@ -1,0 +1,274 @@
+"""Measuring an export on this host: the worker (a fresh process importing only the runtime),
+its RSS watchdog, and whether a GPU can run here.
+
+:func:`run_worker` starts ``python -m devices.profiler --worker CFG OUT`` (or measures in
+this process), so peak RSS is what an app embedding the runtime would see, not the
+caller's torch. :class:`RSSWatch` samples the RSS against the profile's budget and stops
+the worker the moment it goes over (:data:`BUDGET_EXIT`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from runtime.errors import DeviceError, GenerationError, RuntimeLoadError
+
+MiB = 1024 * 1024
+#: decode tokens generated at every context length of a sweep
+SWEEP_NEW_TOKENS = 16
+#: the isolated worker's exit code when its RSS went over the budget
+BUDGET_EXIT = 3
+_PROMPT_TEXT = (
+    "Small language models can run on phones, laptops and single-board computers when their "
+    "weights are pruned and quantized. The runtime streams the weights from memory once per "
+    "generated token, so the memory bandwidth of the device bounds the decoding speed, while "
+    "the prompt is processed in one batch whose speed depends on the arithmetic throughput. "
+)
+
+
+def gpu_availability() -> tuple[bool, str]:
+    """Whether the CUDA execution provider can run here, and why not.
+
+    Returns:
+        ``(True, "CUDAExecutionProvider on <GPU>")`` or ``(False, reason)``; never raises.
+    """
+    try:
+        import onnxruntime as ort
+    except ImportError as e:  # pragma: no cover
+        return False, f"onnxruntime is not importable: {e}"
+    avail = ort.get_available_providers()
+    if "CUDAExecutionProvider" not in avail:
+        return False, (f"not available here: onnxruntime {ort.__version__} has no CUDAExecutionProvider "
+                       f"(providers: {', '.join(avail)}); install onnxruntime-gpu on a machine with an NVIDIA GPU")
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        if out.returncode != 0 or not out.stdout.strip():
+            return False, f"not available here: nvidia-smi found no GPU ({out.stderr.strip()[:200]})"
+        return True, f"CUDAExecutionProvider on {out.stdout.strip().splitlines()[0]}"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"not available here: no NVIDIA driver (nvidia-smi: {e})"
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile of ``xs`` (NaN when empty)."""
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if len(xs) else float("nan")
+
+
+class RSSWatch:
+    """Samples this process's RSS every ``interval`` s against ``budget`` (bytes).
+
+    In the isolated worker (``status_path`` given) an RSS over the budget writes the
+    status file and ends the process at once (exit code ``BUDGET_EXIT``), before the
+    machine runs out of memory. In the caller's own process (``isolate=False``) it only
+    records the excess: :meth:`check`, called between runs, raises ``DeviceError``
+    (a run in progress is not interrupted)."""
+
+    def __init__(self, budget: Optional[int], status_path: Optional[str], profile_name: str = "",
+                 interval: float = 0.002):
+        import psutil
+        self._proc = psutil.Process()
+        self.budget = budget
+        self.status_path = status_path
+        self.profile_name = profile_name
+        self.interval = interval
+        self.peak = self.rss()
+        self.exceeded: Optional[int] = None
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def rss(self) -> int:
+        """This process's resident set size now, bytes."""
+        return int(self._proc.memory_info().rss)
+
+    def _run(self):
+        while not self._stop.is_set():
+            r = self.rss()
+            self.peak = max(self.peak, r)
+            if self.budget and r > self.budget:
+                if self.status_path is None:
+                    self.exceeded = max(self.exceeded or 0, r)
+                else:
+                    Path(self.status_path).write_text(json.dumps({"error": "memory_budget", "rss_bytes": r,
+                                                                  "budget_bytes": self.budget}))
+                    os._exit(BUDGET_EXIT)
+            self._stop.wait(self.interval)
+
+    def check(self) -> None:
+        """Raise ``DeviceError`` if the RSS has gone over the budget (in-process mode)."""
+        r = max(self.exceeded or 0, self.rss() if self.budget else 0)
+        if self.budget and r > self.budget:
+            raise budget_error(r, self.budget, self.profile_name)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+def budget_error(rss: int, budget: int, name: str) -> DeviceError:
+    """The :class:`DeviceError` of a run whose RSS (``rss`` bytes) went over the
+    ``budget`` (bytes) of the profile ``name``."""
+    return DeviceError(
+        f"peak RSS {rss / MiB:.1f} MiB exceeded the memory budget of profile "
+        f"{name!r} ({budget / MiB:.1f} MiB); the run was stopped",
+        "use a smaller export (int4), shorter --prompt-len/--gen-len/--sweep, or a profile with a larger budget")
+
+
+def _vm_hwm() -> int:
+    """The kernel's RSS high-water mark of this process (``VmHWM``, Linux), 0 elsewhere.
+
+    Not ``getrusage().ru_maxrss``: Linux carries that over ``exec`` from the parent, so a
+    worker spawned by a large process would report the parent's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _prompt_ids(tokenizer, n: int, vocab: int) -> list[int]:
+    """``n`` prompt ids: a fixed English text, encoded and repeated (ids below ``vocab``)."""
+    ids = tokenizer.encode(_PROMPT_TEXT) if tokenizer is not None else []
+    ids = [i for i in ids if 0 <= i < vocab]
+    if not ids:
+        ids = list(range(3, min(vocab, 200)))
+    reps = n // len(ids) + 1
+    return (ids * reps)[:n]
+
+
+def measure_export(cfg: dict) -> dict:
+    """Run the measurements of one profile (called in the worker process).
+
+    Args:
+        cfg: ``folder``, ``device``, ``threads``, ``prompt_len``, ``gen_len``, ``repeat``,
+            ``sweep`` (context lengths), ``max_length``, ``budget_bytes``,
+            ``profile_name``, ``status_path`` (isolated worker only).
+
+    Returns:
+        The measured figures (``ProfileReport.measured``, plus ``sweep`` rows).
+
+    Raises:
+        DeviceError: the RSS went over ``budget_bytes`` (in-process mode).
+        RuntimeLoadError, GenerationError: as ``runtime.load`` / ``Session.generate``.
+    """
+    import runtime
+
+    with RSSWatch(cfg.get("budget_bytes"), cfg.get("status_path"), cfg.get("profile_name", "")) as watch:
+        rss_start = watch.rss()
+        sess = runtime.load(cfg["folder"], device=cfg["device"], threads=cfg["threads"],
+                            max_length=cfg.get("max_length"))
+        rss_loaded = watch.rss()
+        watch.check()
+        # Every run must produce exactly gen_len tokens: disable the end-of-sequence stop.
+        if hasattr(sess, "eos_token_ids"):
+            sess.eos_token_ids = []
+        P, G = int(cfg["prompt_len"]), int(cfg["gen_len"])
+        ids = _prompt_ids(sess.tokenizer, P, int(sess.vocab_size))
+        sess.generate(ids[: max(1, min(P, 16))], max_new_tokens=min(4, G))  # warm-up
+        ttft, prefill, steps, decode_runs = [], [], [], []
+        for _ in range(int(cfg["repeat"])):
+            r = sess.generate(ids, max_new_tokens=G)
+            watch.check()
+            ttft.append(r.ttft_ms)
+            prefill.append(r.prefill_tok_s)
+            steps.extend(r.step_ms)
+            decode_runs.append(r.decode_tok_s)
+        # the headline peak is this setting's own (the sweep's longer contexts come after)
+        peak = max(watch.peak, _vm_hwm())
+        sweep = []
+        for c in cfg.get("sweep") or []:
+            r = sess.generate(_prompt_ids(sess.tokenizer, int(c), int(sess.vocab_size)), max_new_tokens=SWEEP_NEW_TOKENS)
+            watch.check()
+            st = float(np.median(r.step_ms)) if r.step_ms else float("nan")
+            kv = sess.kv_cache_bytes(int(c) + SWEEP_NEW_TOKENS - 1)
+            sweep.append({"context": int(c), "decode_step_ms": st, "decode_tok_s": 1000.0 / st if st > 0 else 0.0,
+                          "rss_bytes": watch.rss(), "ttft_ms": r.ttft_ms, "kv_bytes": int(kv["k"] + kv["v"])})
+        kv = sess.kv_cache_bytes(P + G - 1)      # the last new token is never fed back
+        weights = int(sess.weights_bytes)
+        sess.close()
+    sweep_peak = max(watch.peak, _vm_hwm()) if sweep else None
+    med, p90 = float(np.median(steps)) if steps else float("nan"), _pct(steps, 90)
+    return {
+        "ttft_ms": {"median": float(np.median(ttft)), "p90": _pct(ttft, 90), "runs": ttft},
+        "prefill_tok_s": {"median": float(np.median(prefill)), "p90": _pct(prefill, 10), "runs": prefill},
+        "decode_step_ms": {"median": med, "p90": p90},
+        "decode_tok_s": {"median": 1000.0 / med, "p90": 1000.0 / p90, "runs": decode_runs,
+                         "basis": "median / p90: at the median / p90 latency of all decode steps "
+                                  "of all runs; runs: each run's mean rate (new tokens - 1 over "
+                                  "its decode time)"},
+        "peak_rss_bytes": peak, "rss_start_bytes": rss_start, "rss_loaded_bytes": rss_loaded,
+        "weights_bytes": weights, "kv_bytes": {"k": int(kv["k"]), "v": int(kv["v"])},
+        "final_length": P + G, "kv_tokens": P + G - 1, "sweep": sweep, "budget_bytes": cfg.get("budget_bytes"),
+        "sweep_peak_rss_bytes": sweep_peak,
+    }
+
+
+def run_worker(cfg: dict, isolate: bool, timeout: float) -> dict:
+    """:func:`measure_export` of ``cfg`` in a fresh ``python -m devices.profiler --worker``
+    process (``isolate``; abandoned after ``timeout`` seconds), or in this one.
+
+    Raises:
+        DeviceError: the worker went over the memory budget, timed out or failed.
+        RuntimeLoadError, GenerationError: raised in the worker, raised again here.
+    """
+    if not isolate:
+        return measure_export(cfg)
+    with tempfile.TemporaryDirectory(prefix="edgeprune-profile-") as td:
+        cfg = dict(cfg, status_path=str(Path(td) / "status.json"))
+        cfg_path, out_path = Path(td) / "cfg.json", Path(td) / "out.json"
+        cfg_path.write_text(json.dumps(cfg))
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        try:
+            proc = subprocess.run([sys.executable, "-m", "devices.profiler", "--worker", str(cfg_path), str(out_path)],
+                                  capture_output=True, text=True, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise DeviceError(f"the profiling run did not finish within {timeout:.0f} s",
+                              "lower --repeat / --gen-len / the sweep, or raise the timeout") from e
+        if proc.returncode == BUDGET_EXIT and Path(cfg["status_path"]).exists():
+            st = json.loads(Path(cfg["status_path"]).read_text())
+            raise budget_error(st["rss_bytes"], st["budget_bytes"], cfg["profile_name"])
+        if proc.returncode != 0 or not out_path.exists():
+            tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-12:]
+            err = json.loads(out_path.read_text()) if out_path.exists() else {}
+            if err.get("error_class") in ("GenerationError", "RuntimeLoadError", "DeviceError"):
+                cls = {"GenerationError": GenerationError, "RuntimeLoadError": RuntimeLoadError,
+                       "DeviceError": DeviceError}[err["error_class"]]
+                raise cls(err["message"], err.get("hint"))
+            raise DeviceError("the profiling worker failed: " + " | ".join(tail)[-800:],
+                              "run `python -m devices.profiler --worker` by hand to see the full error")
+        return json.loads(out_path.read_text())
+
+
+def worker_main(argv: list[str]) -> int:
+    """The worker process: ``argv = [CFG.json, OUT.json]``; writes the figures (or the
+    error's class, message and hint) to ``OUT.json``; returns the exit code."""
+    cfg_path, out_path = argv
+    cfg = json.loads(Path(cfg_path).read_text())
+    try:
+        res = measure_export(cfg)
+    except (GenerationError, RuntimeLoadError, DeviceError) as e:
+        Path(out_path).write_text(json.dumps({"error_class": type(e).__name__, "message": e.message, "hint": e.hint}))
+        return 1
+    Path(out_path).write_text(json.dumps(res))
+    return 0
+
+
+__all__ = ["RSSWatch", "run_worker", "measure_export", "worker_main", "gpu_availability", "budget_error",
+           "SWEEP_NEW_TOKENS", "BUDGET_EXIT"]

@@ -1,0 +1,185 @@
+"""The profiler's report: :class:`ProfileReport` as JSON, a Markdown table and a sweep plot.
+
+The plot is drawn with ``matplotlib`` (Agg), imported only when :meth:`ProfileReport.plot`
+runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+from runtime.files import atomic_write
+
+MiB = 1024 * 1024
+
+
+def _fmt(v: Optional[float], decimals: int) -> str:
+    """A table cell: ``decimals`` places (thousands separated) from 1 up, two significant
+    digits below (a tiny model's 0.004 MiB KV cache is not "0.0"), "—" for ``None``."""
+    if v is None:
+        return "—"
+    return f"{v:,.{decimals}f}" if v == 0 or abs(v) >= 1 else f"{v:.2g}"
+
+
+@dataclasses.dataclass
+class ProfileReport:
+    """Everything :func:`profile` measured and projected.
+
+    Attributes:
+        folder: the export folder.
+        profile: the target profile (``DeviceProfile.to_dict()``).
+        ran_on: where the measured figures come from (``"cpu-host, 2 threads, CPUExecutionProvider"``).
+        settings: ``prompt_len``, ``gen_len``, ``repeat``, ``threads``, ``device``.
+        measured: ``ttft_ms`` / ``prefill_tok_s`` / ``decode_tok_s`` / ``decode_step_ms``
+            (each ``{"median", "p90"}``; for rates, "p90" is the slow tail: decode tok/s
+            at the p90 step latency, the 10th-percentile prefill rate; decode's ``median``
+            is at the median step latency over all runs, its ``runs`` each run's mean rate,
+            as its ``basis`` says), ``peak_rss_bytes``, ``weights_bytes``, ``kv_bytes`` (``{"k", "v"}``
+            for the ``kv_tokens = final_length - 1`` tokens cached at the end: the last new
+            token is sampled, never fed back), ``final_length`` (prompt + new tokens).
+        projected: ``{target: {...}}`` roofline projections (never measurements).
+        work: bytes / ops per token of the graph (:func:`model_work`).
+        host: the host's measured bandwidth / compute used for the projection.
+        sweep: ``[{"context", "decode_step_ms", "decode_tok_s", "rss_bytes", "kv_bytes"}]``.
+        gpu: ``{"available": bool, "reason": str}`` for GPU profiles.
+        notes: caveats (noise, thread caps, emulation...).
+        plot_path: PNG of the sweep when drawn.
+    """
+
+    folder: str
+    profile: dict
+    ran_on: str
+    settings: dict
+    measured: dict
+    projected: dict = dataclasses.field(default_factory=dict)
+    work: dict = dataclasses.field(default_factory=dict)
+    host: dict = dataclasses.field(default_factory=dict)
+    sweep: list = dataclasses.field(default_factory=list)
+    gpu: Optional[dict] = None
+    notes: list = dataclasses.field(default_factory=list)
+    plot_path: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        """JSON-friendly dict."""
+        return dataclasses.asdict(self)
+
+    def to_json(self, path: Union[str, Path, None] = None) -> str:
+        """The report as JSON; also written atomically to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=2, default=float)
+        if path is not None:
+            atomic_write(Path(path), text)
+        return text
+
+    def to_markdown(self) -> str:
+        """A Markdown table: measured column, then one labelled "projected" column per target."""
+        m = self.measured
+        targets = list(self.projected)
+        head = ["metric", f"measured ({self.ran_on})"] + [f"projected: {t}" for t in targets]
+        rows = []
+
+        def proj(key, fmt):
+            return [fmt(self.projected[t].get(key)) for t in targets]
+
+        f1 = lambda v: _fmt(v, 1)  # noqa: E731
+        mib = lambda v: "—" if v is None else _fmt(v / MiB, 1)  # noqa: E731
+        rows.append(["time to first token (ms)", f1(m["ttft_ms"]["median"])] + proj("ttft_ms", f1))
+        rows.append(["prefill tokens/s (median)", f1(m["prefill_tok_s"]["median"])] + proj("prefill_tok_s", f1))
+        rows.append(["decode tokens/s (median)", f1(m["decode_tok_s"]["median"])] + proj("decode_tok_s", f1))
+        rows.append(["decode tokens/s (p90 latency)", f1(m["decode_tok_s"]["p90"])] + proj("decode_tok_s_p90", f1))
+        rows.append(["decode step ms (median / p90)",
+                     f"{_fmt(m['decode_step_ms']['median'], 2)} / {_fmt(m['decode_step_ms']['p90'], 2)}"]
+                    + proj("decode_step_ms", lambda v: _fmt(v, 2)))
+        rows.append(["peak RSS (MiB)", mib(m["peak_rss_bytes"])]
+                    + [f"{mib(self.projected[t].get('peak_memory_bytes'))} "
+                       f"({'fits' if self.projected[t].get('fits_budget') else 'OVER'} "
+                       f"{mib(self.projected[t].get('memory_budget_bytes'))})" for t in targets])
+        rows.append(["weights (MiB)", mib(m["weights_bytes"])] + [mib(m["weights_bytes"])] * len(targets))
+        kv = m["kv_bytes"]
+        kvs = f"{mib(kv['k'])} / {mib(kv['v'])}"
+        rows.append([f"KV cache K / V, {m['kv_tokens']} cached tokens (MiB)", kvs] + [kvs] * len(targets))
+        rows.append(["bound (roofline)", "—"] + proj("bound", lambda v: v or "—"))
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        out = [f"### Profile of `{self.folder}` on `{self.profile['name']}`", "",
+               f"prompt {self.settings['prompt_len']} tokens, {self.settings['gen_len']} new tokens, "
+               f"{self.settings['repeat']} run{'s' if self.settings['repeat'] != 1 else ''}, batch 1.", ""] + lines
+        if self.gpu is not None:
+            why = str(self.gpu["reason"])
+            for lead in ("not available here", "not available"):
+                if why.lower().startswith(lead):
+                    why = why[len(lead):].lstrip(" :—-")
+                    break
+            out += ["", f"GPU: {'available' if self.gpu['available'] else 'NOT available'} — {why}"]
+        if self.sweep:
+            out += ["", "Context sweep (measured):", "",
+                    "| context (tokens) | decode step ms (median) | decode tok/s | RSS after the run (MiB) | KV K+V (MiB) |",
+                    "|---|---|---|---|---|"]
+            out += [f"| {s['context']} | {_fmt(s['decode_step_ms'], 2)} | {_fmt(s['decode_tok_s'], 1)} | "
+                    f"{_fmt(s['rss_bytes'] / MiB, 1)} | {_fmt(s['kv_bytes'] / MiB, 2)} |" for s in self.sweep]
+            sp = self.measured.get("sweep_peak_rss_bytes")
+            if sp:
+                out += ["", f"Peak RSS over the sweep: {sp / MiB:.1f} MiB (the table's peak RSS "
+                            f"is the {self.measured['final_length']}-token setting's own)."]
+            if self.plot_path:
+                out += ["", f"Plot: `{self.plot_path}`"]
+        if self.projected:
+            h = self.host
+            out += ["", f"Projected columns are roofline estimates (not measurements): "
+                        f"t = max(bytes/bandwidth, ops/peak) on the target x (host measured / host roofline); "
+                        f"host {h.get('bandwidth_gbs', 0):.1f} GB/s, {h.get('peak_fp32_gflops', 0):.0f} GFLOP/s fp32, "
+                        f"{h.get('peak_int8_gops', 0):.0f} GOP/s int8; {self.work.get('weight_bytes_per_token', 0) / MiB:.1f} MiB "
+                        f"and {self.work.get('weight_ops_per_token', 0) / 1e9:.3f} GOP of weights per token ({self.work.get('compute')}). "
+                        "The targets' spec-sheet peaks are first scaled to what a measurement would sustain "
+                        "(profile fields bandwidth_efficiency / compute_efficiency, defaults 0.6 / 0.5), as the "
+                        "host's figures are measured; GPU targets are floored at graph nodes x kernel_launch_us "
+                        "per run (bound \"launch\"). Projected memory: CPU targets carry the host's measured "
+                        "peak RSS; GPU targets count device memory as weights + KV cache."]
+        for n in self.notes:
+            out.append(f"- {n}")
+        return "\n".join(out) + "\n"
+
+    def plot(self, path: Union[str, Path]) -> Optional[str]:
+        """Draw decode latency and memory vs context (PNG, matplotlib Agg); returns the path."""
+        if not self.sweep:
+            return None
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ctx = [s["context"] for s in self.sweep]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        a1.plot(ctx, [s["decode_step_ms"] for s in self.sweep], "o-", label="measured (host)")
+        for t, p in self.projected.items():
+            sc = p.get("sweep_step_ms")
+            if sc:
+                a1.plot(ctx, sc, "x--", label=f"projected: {t}")
+        a1.set_xlabel("context length (tokens)")
+        a1.set_ylabel("decode step latency (ms)")
+        a1.set_title("decode latency vs context")
+        a1.grid(alpha=0.3)
+        a1.legend(fontsize=7)
+        a2.plot(ctx, [s["rss_bytes"] / MiB for s in self.sweep], "o-", label="process RSS (measured)")
+        a2.plot(ctx, [s["kv_bytes"] / MiB for s in self.sweep], "s-", label="KV cache K+V at context")
+        a2.axhline(self.measured["weights_bytes"] / MiB, color="gray", ls=":", label="weights")
+        a2.set_xlabel("context length (tokens)")
+        a2.set_ylabel("MiB")
+        a2.set_title("memory vs context")
+        a2.grid(alpha=0.3)
+        a2.legend(fontsize=7)
+        fig.suptitle(f"{Path(self.folder).name} on {self.ran_on}", fontsize=9)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp.png")
+        fig.savefig(tmp, dpi=110)
+        plt.close(fig)
+        os.replace(tmp, path)
+        self.plot_path = str(path)
+        return self.plot_path
+
+
+__all__ = ["ProfileReport"]

@@ -1,0 +1,178 @@
+"""The profiler's entry point: :func:`profile` checks its arguments, measures, projects, reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+
+from runtime.errors import DeviceError, GenerationError, RuntimeLoadError
+
+from ..catalog import list_profiles, load_profile
+from . import measure
+from .measure import SWEEP_NEW_TOKENS, gpu_availability
+from .project import host_profile, project_target
+from .report import MiB, ProfileReport
+from .work import model_work
+
+#: context lengths of ``sweep=True`` (capped by the export's max length)
+DEFAULT_SWEEP = (128, 256, 512, 1024, 2048)
+
+
+def check_profile_args(prompt_len, gen_len, repeat, threads=None) -> None:
+    """The counts :func:`profile` takes: ``prompt_len >= 1``, ``gen_len >= 2`` (a decode
+    speed needs two new tokens), ``repeat >= 1``, ``threads >= 1`` (or ``None``), all
+    integers. Cheap: callers run it before minutes of other work.
+
+    Raises:
+        GenerationError: naming the count and a value to pass.
+    """
+    counts = [("prompt_len", prompt_len, 1), ("gen_len", gen_len, 2), ("repeat", repeat, 1)]
+    for name, v, lo in counts + ([("threads", threads, 1)] if threads is not None else []):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+            raise GenerationError(f"{name} must be an integer >= {lo}, got {v!r}"
+                                  + (" (decode speed needs at least two new tokens)" if lo == 2 else ""),
+                                  f"pass e.g. --{name.replace('_', '-')} {({'repeat': 5, 'threads': 2}).get(name, 128)}")
+
+
+def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", prompt_len: int = 128,
+            gen_len: int = 128, repeat: int = 5, sweep: Union[None, bool, Sequence[int]] = None,
+            targets: Optional[Sequence[str]] = None, out_dir: Union[str, Path, None] = None,
+            isolate: bool = True, timeout: float = 1800.0, threads: Optional[int] = None) -> ProfileReport:
+    """Measure ``folder`` on this host under a device profile and project to targets.
+
+    Args:
+        folder: an export folder (``model.onnx``, ``edgeprune.json``, tokenizer files).
+        profile_name_or_obj: a profile name (``"raspberry-pi-5"``), a ``.toml`` path or a
+            ``devices.DeviceProfile``. Its thread count (capped at this machine's cores)
+            and memory budget apply to the measured run; GPU profiles run on
+            ``CUDAExecutionProvider`` when available, else on the host CPU with
+            ``report.gpu["reason"]`` saying why.
+        prompt_len: prompt tokens (batch 1).
+        gen_len: new tokens per run (end-of-sequence is ignored so every run makes ``gen_len``).
+        repeat: timed runs (after one warm-up).
+        sweep: context lengths for the latency/memory sweep (``True``: 128..2048 capped
+            by the export's max length); ``None``/``False``: no sweep.
+        targets: profile names to project to (default: the chosen profile when it is not
+            the host, else every non-host profile).
+        out_dir: where the sweep PNG goes (default ``runs/profile-<name>`` in the cwd).
+        isolate: measure in a fresh subprocess importing only the runtime (True; False
+            runs in this process: RSS then includes the caller's memory, and the memory
+            budget is checked between runs, raising ``DeviceError``, where the isolated
+            worker is stopped the moment it goes over).
+        timeout: seconds before the worker is abandoned.
+        threads: run with this many threads instead of the profile's (noted in the report).
+
+    Returns:
+        :class:`ProfileReport`.
+
+    Raises:
+        DeviceError: unknown profile, the run exceeding the profile's memory budget,
+            a failed/timed-out worker.
+        RuntimeLoadError: the folder is missing or incomplete.
+        GenerationError: ``prompt_len + gen_len`` does not fit the export's context.
+    """
+    t0 = time.perf_counter()
+    folder = Path(folder)
+    if not (folder / "model.onnx").is_file():
+        raise RuntimeLoadError(f"{folder} has no model.onnx", "pass the folder written by `edgeprune export`")
+    check_profile_args(prompt_len, gen_len, repeat, threads)
+    if sweep not in (None, True, False) and (
+            not isinstance(sweep, (list, tuple)) or not all(
+                isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in sweep)):
+        raise GenerationError(f"sweep must be True or a list of context lengths, got {sweep!r}",
+                              "pass e.g. sweep=[128, 512, 1024] (CLI: --sweep for the default list)")
+    prof = load_profile(profile_name_or_obj, measure=False)
+    # target profiles loaded now: a typo fails before the measurement, not after it
+    if targets is None:     # the default targets too: a broken profile file fails now
+        tgts = [prof] if not prof.is_host else [p for p in list_profiles() if not p.is_host]
+    else:
+        tgts = [load_profile(n, measure=False) for n in targets]
+    try:
+        meta = json.loads((folder / "edgeprune.json").read_text())
+    except (OSError, ValueError):
+        meta = {}
+    export_max = int(meta.get("max_length") or 2048)
+    notes: list[str] = ["Timings measured on a shared machine are noisy; compare runs made side by side."]
+    cores = os.cpu_count() or 1
+    gpu = None
+    device = "cpu"
+    asked = None if threads is None else int(threads)
+    threads = int(prof.threads if asked is None else asked)
+    if prof.execution_provider == "CUDAExecutionProvider":
+        ok, reason = gpu_availability()
+        gpu = {"available": ok, "reason": reason}
+        if ok:
+            device = "cuda"
+        else:
+            threads = cores if asked is None else asked   # the host CPU stands in for the GPU
+            notes.append(f"{prof.name}: {reason}. Measured figures are from the host CPU; the GPU column is projected only.")
+    if device == "cpu" and threads > cores:
+        who = f"--threads {asked} asks for" if asked is not None else f"{prof.name} runs"
+        notes.append(f"{who} {threads} threads; this host has {cores} cores, so {cores} were used.")
+        threads = cores
+    elif asked is not None and asked != int(prof.threads) and \
+            prof.execution_provider != "CUDAExecutionProvider":      # (GPU profiles: no CPU threads)
+        notes.append(f"threads set to {asked} (the profile {prof.name} says {prof.threads}).")
+    if sweep is True:
+        sweep_list = [c for c in DEFAULT_SWEEP if c + SWEEP_NEW_TOKENS <= export_max]
+        if export_max - SWEEP_NEW_TOKENS > (sweep_list or [0])[-1]:
+            sweep_list.append(export_max - SWEEP_NEW_TOKENS)      # up to the export's context
+    elif sweep:
+        sweep_list = sorted({int(c) for c in sweep})
+        bad = [c for c in sweep_list if c < 1 or c + SWEEP_NEW_TOKENS > export_max]
+        if bad:
+            raise GenerationError(f"sweep contexts {bad} do not fit the export's max_length={export_max} "
+                                  f"(+{SWEEP_NEW_TOKENS} decode tokens)", f"use contexts <= {export_max - SWEEP_NEW_TOKENS}")
+    else:
+        sweep_list = []
+    # the last new token is sampled, never fed back: prompt + new - 1 tokens are cached
+    need = max([prompt_len + gen_len - 1] + [c + SWEEP_NEW_TOKENS - 1 for c in sweep_list])
+    if need > export_max:
+        raise GenerationError(f"prompt_len + gen_len - 1 = {prompt_len + gen_len - 1} cached tokens exceed the "
+                              f"export's max_length={export_max}",
+                              f"lower --prompt-len/--gen-len to fit {export_max} tokens, or re-export with "
+                              "`edgeprune export --max-length`")
+    cfg = {"folder": str(folder), "device": device, "threads": threads, "prompt_len": int(prompt_len),
+           "gen_len": int(gen_len), "repeat": int(repeat), "sweep": sweep_list, "max_length": need,
+           "budget_bytes": int(prof.memory_budget_bytes), "profile_name": prof.name}
+    measured = measure.run_worker(cfg, isolate, timeout)
+    if measured["peak_rss_bytes"] > prof.memory_budget_bytes:
+        raise DeviceError(f"peak RSS {measured['peak_rss_bytes'] / MiB:.1f} MiB exceeded the memory budget of profile "
+                          f"{prof.name!r} ({prof.memory_budget_bytes / MiB:.1f} MiB)",
+                          "use a smaller export (int4), shorter --prompt-len/--gen-len, or a profile with a larger budget")
+    sweep_rows = measured.pop("sweep")
+    ran_on = (f"{prof.name} GPU, CUDAExecutionProvider" if device == "cuda"
+              else f"this host, {threads} thread{'s' if threads > 1 else ''}, CPUExecutionProvider")
+    # ---- projection (roofline), labelled as such
+    work = model_work(folder)
+    host, host_fig = host_profile(threads)
+    projected = {}
+    if device == "cpu":
+        for tgt in tgts:
+            if tgt.is_host:
+                if targets is not None:
+                    notes.append(f"{tgt.name} is this machine: its figures are the measured column, not a projection.")
+                continue
+            projected[tgt.name] = project_target(measured, sweep_rows, work, host, tgt, prompt_len, gen_len)
+    elif targets is not None:
+        notes.append("Ran on the GPU: no projected columns (the roofline scaling is calibrated on the host CPU); "
+                     "profile on cpu-host to project to " + ", ".join(t.name for t in tgts) + ".")
+    report = ProfileReport(folder=str(folder), profile=prof.to_dict(), ran_on=ran_on,
+                           settings={"prompt_len": int(prompt_len), "gen_len": int(gen_len), "repeat": int(repeat),
+                                     "threads": threads, "device": device, "isolated": bool(isolate),
+                                     "seconds": round(time.perf_counter() - t0, 2)},
+                           measured=measured, projected=projected, work=work,
+                           host={k: host_fig[k] for k in ("bandwidth_gbs", "peak_fp32_gflops", "peak_int8_gops")},
+                           sweep=sweep_rows, gpu=gpu, notes=notes)
+    if sweep_rows:
+        out = Path(out_dir) if out_dir is not None else Path.cwd() / "runs" / f"profile-{prof.name}"
+        report.plot(out / f"sweep-{folder.name}-{prof.name}.png")
+    return report
+
+
+__all__ = ["profile", "check_profile_args", "DEFAULT_SWEEP"]
