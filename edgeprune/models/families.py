@@ -54,21 +54,25 @@ def _supported() -> str:
                      for f in FAMILIES.values())
 
 
+def _family(attr: str, value: str) -> Family | None:
+    return next((f for f in FAMILIES.values() if getattr(f, attr) == value), None)
+
+
 def check_architecture(model_type: str, where: str) -> Family:
     """The family of a ``config.json`` ``model_type``; refuse any other.
 
     Raises:
         UnsupportedArchitectureError: naming the supported families.
     """
-    for fam in FAMILIES.values():
-        if fam.model_type == model_type:
-            return fam
-    if model_type in _REFUSED:
+    family = _family("model_type", model_type)
+    if family is None and model_type in _REFUSED:
         what, fix = _REFUSED[model_type]
         raise UnsupportedArchitectureError(f"{where} is {what}, which edgeprune does not load", fix)
-    raise UnsupportedArchitectureError(
-        f"{where} is a {model_type!r} model, which edgeprune does not support",
-        f"use a model of a supported architecture: {_supported()}")
+    if family is None:
+        raise UnsupportedArchitectureError(
+            f"{where} is a {model_type!r} model, which edgeprune does not support",
+            f"use a model of a supported architecture: {_supported()}")
+    return family
 
 
 def check_gguf_architecture(architecture: str, where: str) -> Family:
@@ -77,12 +81,12 @@ def check_gguf_architecture(architecture: str, where: str) -> Family:
     Raises:
         UnsupportedArchitectureError: naming the supported families.
     """
-    for fam in FAMILIES.values():
-        if fam.gguf_architecture == architecture:
-            return fam
-    raise UnsupportedArchitectureError(
-        f"{where} is a GGUF of architecture {architecture!r}, which edgeprune does not support",
-        f"use a GGUF of a supported architecture: {_supported()}")
+    family = _family("gguf_architecture", architecture)
+    if family is None:
+        raise UnsupportedArchitectureError(
+            f"{where} is a GGUF of architecture {architecture!r}, which edgeprune does not support",
+            f"use a GGUF of a supported architecture: {_supported()}")
+    return family
 
 
 def decoder_layers(model):
@@ -111,8 +115,8 @@ def describe(model) -> dict[str, Any]:
     """
     cfg = model.config
     heads = cfg.num_attention_heads
-    family = next((f.name for f in FAMILIES.values() if f.model_type == cfg.model_type), None)
-    return dict(architecture=cfg.model_type, family=family, num_layers=cfg.num_hidden_layers,
+    family = _family("model_type", cfg.model_type)
+    return dict(architecture=cfg.model_type, family=family and family.name, num_layers=cfg.num_hidden_layers,
                 hidden_size=cfg.hidden_size, num_heads=heads,
                 num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
                 head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,

@@ -30,6 +30,11 @@ def test_the_three_families():
     assert [f.name for f in FAMILIES.values() if not f.exportable] == ["gemma3"]
     assert {"smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"} <= set(ALIASES)
     assert all(a.description for a in ALIASES.values())
+    for alias in (ALIASES["qwen2.5-coder-0.5b"], ALIASES["gemma3-270m"]):   # pinned facts agree
+        assert sum(p.size for p in alias.parts) == alias.size
+        assert all(len(h) == 64 for h in [alias.sha256, *(p.sha256 for p in alias.parts)])
+    assert (ALIASES["qwen2.5-coder-0.5b"].size, ALIASES["gemma3-270m"].size) == (491_400_064,
+                                                                                  253_113_024)
 
 
 @pytest.mark.parametrize("model_type, needle", [
