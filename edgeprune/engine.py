@@ -386,7 +386,7 @@ def _compress_group(block, modules, names, cfg, meth, recipe, si, batches, resul
                                 "activations excluded from the statistics")
     try:
         with torch.no_grad():
-            res = meth.compress_block(block, tasks)
+            res = meth.compress_block(block, tasks, **({"inputs": batches} if meth.needs_block_inputs else {}))
     except EdgePruneError:
         raise
     except Exception as e:  # numerical failure inside a method: fall back, keep going

@@ -176,7 +176,8 @@ class Method:
 
     A subclass is joined to its config class by
     :func:`~edgeprune.methods.registry.register_method` (which sets :attr:`name` and
-    :attr:`config_class`), sets :attr:`needs_hessian` / :attr:`data_free`, and implements
+    :attr:`config_class`), sets what it needs (:attr:`needs_hessian`, :attr:`data_free`,
+    :attr:`needs_block_inputs`), and implements
     :meth:`compress_layer` (one layer), or :meth:`compress_group` (layers sharing one
     input, e.g. q/k/v), or :meth:`compress_block` for methods that rewrite several modules
     jointly (AWQ). What the method does to a layer (prunes, quantizes, may precede a
@@ -193,6 +194,11 @@ class Method:
     #: True when the method uses no calibration statistics (magnitude, RTN): with
     #: ``measure_errors=False`` the engine then runs no forward pass for it.
     data_free = False
+    #: True for methods that reconstruct a block's outputs (SignRound-style): the engine
+    #: then calls ``compress_block(block, tasks, inputs=batches)`` with the block's
+    #: calibration inputs ``[[hidden [b, seqlen, hidden_size], kwargs, tokmask bool [b,
+    #: seqlen]]]`` (the outputs of the already-compressed blocks before it; read-only).
+    needs_block_inputs = False
 
     def __init__(self, config):
         self.config = config

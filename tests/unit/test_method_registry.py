@@ -73,7 +73,8 @@ def row_prune():
 
 @pytest.fixture
 def noop_quant():
-    """A quantizer that leaves the weights as they are (for the ordering rule)."""
+    """A quantizer that leaves the weights as they are (for the ordering rule), and asks
+    for the block's calibration inputs (as a block-reconstruction method would)."""
 
     @dataclass
     class NoopQuantConfig(QuantOptions):
@@ -81,10 +82,15 @@ def noop_quant():
 
     @register_method(NoopQuantConfig)
     class NoopQuant(Method):
-        data_free = True
+        needs_block_inputs = True
+        seen: list = []
 
-        def compress_layer(self, task: LayerTask) -> LayerResult:
-            return LayerResult(weight=task.weight.clone())
+        def compress_block(self, block, tasks, inputs):
+            with torch.no_grad():   # what a reconstruction loss would compare against
+                out = [block(b[0], **b[1]) for b in inputs]
+            out = [o[0] if isinstance(o, (tuple, list)) else o for o in out]
+            self.seen.append(([b[0].shape for b in inputs], [o.shape for o in out]))
+            return {t.name: LayerResult(weight=t.weight.clone()) for t in tasks}
 
     yield NoopQuantConfig
     unregister_method("noop_quant")
@@ -224,3 +230,13 @@ def test_ordering_rule_for_a_registered_quantizer(noop_quant, tiny_llama, monkey
     check_recipe(tiny_llama, [noop_quant(group_size=32), GPTQConfig(group_size=32)])
     with pytest.raises(ConfigError, match=r"only awq or noop_quant may precede another quantizer"):
         check_recipe(tiny_llama, [RTNConfig(group_size=32), GPTQConfig(group_size=32)])
+
+
+def test_block_inputs_reach_a_method_that_asks_for_them(noop_quant, tiny_llama):
+    before = {n: m.weight.clone() for n, m in _linears(tiny_llama).items()}
+    edgeprune.compress(tiny_llama, noop_quant(group_size=32), _ids(n=5, s=24), progress=False, batch_size=2)
+    seen = noop_quant.method_class.seen
+    assert len(seen) == 2                                          # one call per block
+    for shapes_in, shapes_out in seen:
+        assert shapes_in == shapes_out == [torch.Size([2, 24, 64]), torch.Size([2, 24, 64]), torch.Size([1, 24, 64])]
+    assert all(torch.equal(m.weight, before[n]) for n, m in _linears(tiny_llama).items())
