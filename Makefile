@@ -8,7 +8,7 @@ TORCH := torch==2.13.0
 OUT ?= runs/demo
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test test-unit test-integration bench-quick clean
+.PHONY: venv demo test test-unit test-integration bench-quick bench-peers bench-docs clean
 
 venv: $(STAMP)
 
@@ -32,11 +32,19 @@ test-unit: $(STAMP)
 test-integration: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m integration tests
 
+# benches: results go to bench/results/<script>.json (committed), which bench/report.py
+# turns into docs/benchmarks.md and the README's results table
+bench-peers: $(STAMP)
+	$(BIN)/python bench/benchlib.py peers
+
 bench-quick: $(STAMP)
 	$(BIN)/python bench/compare_methods.py --quick --json bench/results/compare_methods.json
 	$(BIN)/python bench/compare_runtimes.py --quick --json bench/results/compare_runtimes.json
 	$(BIN)/python bench/compare_llamacpp.py --quick --json bench/results/compare_llamacpp.json
 	$(BIN)/python bench/lookup.py --quick --json bench/results/lookup.json
+
+bench-docs: $(STAMP)
+	$(BIN)/python bench/report.py
 
 clean:
 	rm -rf runs build *.egg-info .pytest_cache
