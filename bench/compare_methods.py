@@ -28,11 +28,17 @@ turn it off, so both settings are reported against the same peer figure.
 Usage::
 
     .venv/bin/python bench/compare_methods.py --json bench/results/compare_methods.json
-    .venv/bin/python bench/compare_methods.py --quick --json /tmp/q.json   # < 10 min
+    .venv/bin/python bench/compare_methods.py --quick --json bench/results/compare_methods.json
+
+``--quick``: dense, RTN, GPTQ and Wanda only, 8 x 512 calibration windows, 10 evaluation
+windows: ours and the peer's compressions plus 7 perplexity passes, several minutes on 2
+cores once ``.venv-llmcompressor`` exists (``make bench-peers``); peer figures are reused
+from the cache on later runs.
 
 Peer results are cached under ``bench/.cache/peers/`` keyed by method and calibration;
-a cached figure is reused (and labelled ``cached`` in the table and JSON ``note``) unless
-``--fresh-peers``. Timing on this shared 2-core machine is noisy (other jobs run).
+a cached figure is reused (and labelled ``cached`` in the table and a ``note`` record)
+unless ``--fresh-peers``. Timing on this shared 2-core machine is noisy (other jobs run).
+Metrics: ``ppl``, ``compress_s``; a failure is an ``error`` record, never hidden.
 """
 
 from __future__ import annotations
@@ -47,19 +53,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-from _peers import C4, WIKI  # noqa: E402
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import benchlib
+from benchlib import C4, CACHE, WIKI
 
-from _peers import ensure_venv, run_peer, write_json_records  # noqa: E402
-
-CACHE = ROOT / "bench" / ".cache"
 PEER = "llm-compressor"
-LLMC_PKG = "llmcompressor==0.14.0.1"
 
 
 def cases(group_size: int = 64):
@@ -122,7 +122,7 @@ def _peer_run(method: str, model_dir: Path, calib_path: Path, key: str, nwindows
         return rec
     rec = {"ppl": None, "seconds": None, "error": None, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     try:
-        py = ensure_venv("llmcompressor", [LLMC_PKG], check_import="llmcompressor", log=log)
+        py = benchlib.ensure_peer("llmcompressor", log=log)
     except RuntimeError as e:
         rec["error"] = f"peer venv setup failed: {e}"
         return rec
@@ -132,7 +132,7 @@ def _peer_run(method: str, model_dir: Path, calib_path: Path, key: str, nwindows
         res_file.unlink()
     import shutil
     shutil.rmtree(out, ignore_errors=True)
-    r = run_peer(py, [str(ROOT / "bench" / "_llmc_worker.py"), "--model", str(model_dir), "--calib",
+    r = benchlib.run_peer(py, [str(benchlib.BENCH / "_llmc_worker.py"), "--model", str(model_dir), "--calib",
                       str(calib_path), "--method", method, "--out", str(out), "--result", str(res_file)],
                  timeout=timeout, log=log)
     res = json.loads(res_file.read_text()) if res_file.exists() else {
@@ -153,9 +153,7 @@ def _peer_run(method: str, model_dir: Path, calib_path: Path, key: str, nwindows
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", help="write records to this path")
-    ap.add_argument("--quick", action="store_true",
-                    help="8x512 calibration, 10 eval windows, dense/RTN/GPTQ/Wanda only (< 10 min)")
+    benchlib.add_common_args(ap, "8x512 calibration, 10 eval windows, dense/RTN/GPTQ/Wanda only")
     ap.add_argument("--cases", help="comma-separated case names (default: all, or the quick set)")
     ap.add_argument("--nsamples", type=int, default=None)
     ap.add_argument("--seqlen", type=int, default=512)
@@ -221,20 +219,24 @@ def main(argv=None) -> int:
         note = "; ".join(x for x in (err, peer.get("error") and f"{PEER}: {peer['error']}",
                                      peer.get("note")) if x)
         has_peer = bool(peer_method) and not a.no_peer
+        pname = PEER if has_peer else None
         for metric, ours, theirs in (("ppl", ours_ppl, peer.get("ppl")),
-                                     ("seconds", ours_s, peer.get("seconds"))):
-            if metric == "seconds" and factory is None:
+                                     ("compress_s", ours_s, peer.get("seconds"))):
+            if metric == "compress_s" and factory is None:
                 continue
-            rec = {"case": name, "metric": metric, "ours": ours,
-                   "peer": PEER if has_peer else None, "theirs": theirs if has_peer else None}
-            if note:
-                rec["note"] = note
-            records.append(rec)
+            records.append(benchlib.record(name, metric, ours, peer=pname,
+                                           theirs=theirs if has_peer else None))
+        if err:
+            records.append(benchlib.error_record(name, err, peer=pname, side="ours"))
+        if has_peer and peer.get("error"):
+            records.append(benchlib.error_record(name, peer["error"], peer=pname))
+        if has_peer and peer.get("note"):
+            records.append(benchlib.note_record(name, peer["note"], peer=pname))
         rows.append((name, ours_ppl, peer.get("ppl"), ours_s, peer.get("seconds"), note))
         console.print(f"[bold]{name}[/]: ppl {ours_ppl} / {peer.get('ppl')}  s {ours_s} / {peer.get('seconds')}"
                       + (f"  ({note})" if note else ""))
         if a.json:
-            write_json_records(a.json, records)
+            benchlib.write_records(a.json, records)
 
     def f(x, fmt="{:.2f}"):
         return "—" if x is None else fmt.format(x)
@@ -251,8 +253,7 @@ def main(argv=None) -> int:
                   (note or "")[:80])
     console.print(t)
     if a.json:
-        write_json_records(a.json, records)
-        console.print(f"wrote {len(records)} records to {a.json}")
+        benchlib.write_records(a.json, records)
     return 0
 
 

@@ -10,7 +10,10 @@ Python API (torchao-style: configuration objects and one verb)::
     ep.save_checkpoint(model, tok, result, "out/ckpt")
     ep.export_onnx(model, tok, "out/onnx", precision="int4", quantized=result.quantized)
 
-Names are imported lazily so ``import edgeprune`` (and the CLI's start) stays fast.
+Names are imported lazily so ``import edgeprune`` (and the CLI's start) stays fast. The
+method configs (``GPTQConfig``, ``SparseGPTConfig``, ...) are looked up in the method
+registry (:mod:`edgeprune.methods`) by class name: a newly registered method's config is
+``edgeprune.<Name>Config`` with no edit here.
 """
 
 from __future__ import annotations
@@ -28,12 +31,8 @@ _EXPORTS = {
     "compress": "edgeprune.engine",
     "CompressionResult": "edgeprune.engine",
     "Recipe": "edgeprune.recipe",
-    "MagnitudeConfig": "edgeprune.recipe",
-    "WandaConfig": "edgeprune.recipe",
-    "SparseGPTConfig": "edgeprune.recipe",
-    "RTNConfig": "edgeprune.recipe",
-    "GPTQConfig": "edgeprune.recipe",
-    "AWQConfig": "edgeprune.recipe",
+    "MethodConfig": "edgeprune.methods",
+    "register_method": "edgeprune.methods",
     "QuantizedWeight": "edgeprune.quantize",
     "save_checkpoint": "edgeprune.checkpoint",
     "load_checkpoint": "edgeprune.checkpoint",
@@ -43,10 +42,21 @@ _EXPORTS = {
     "EdgePruneError": "edgeprune.errors",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
-
 
 def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name == "__all__":  # computed on demand: listing the configs imports the registry (torch)
+        return sorted(_EXPORTS) + sorted(_config_classes()) + ["__version__"]
+    if name.endswith("Config"):
+        cls = _config_classes().get(name)
+        if cls is not None:
+            return cls
     raise AttributeError(f"module 'edgeprune' has no attribute {name!r}")
+
+
+def _config_classes() -> dict:
+    """``{class name: config class}`` of every registered compression method."""
+    from .methods import config_classes
+
+    return {c.__name__: c for c in config_classes().values()}

@@ -5,7 +5,8 @@ mode of the GPTQ/SparseGPT/Wanda reference code and llm-compressor):
 
 1. The inputs of block 0 (hidden states plus the keyword arguments the model passes to
    its decoder layers: ``position_embeddings``, ``attention_mask``, ``position_ids``...)
-   are captured with a pre-hook on block 0 that stops the forward pass.
+   are captured with a pre-hook on block 0 that stops the forward pass
+   (:mod:`edgeprune.blocks` holds this capture, the replay and the statistics hooks).
 2. For block ``i`` and each recipe stage: one forward pass of the block over all
    calibration batches, with forward hooks on the stage's target linears accumulating
    their input statistics (:class:`~edgeprune.methods.base.InputStats`; linears that read
@@ -33,14 +34,16 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .errors import CalibrationError, ConfigError, EdgePruneError, UnsupportedArchitectureError
+from .blocks import (StatsCollector, capture_block_inputs, find_decoder_blocks, move_own_tensors, run_block,
+                     sequential_groups)
+from .errors import CalibrationError, ConfigError, EdgePruneError
 from .models import check_device
-from .methods import get_method
+from .methods import config_classes, get_method
 from .methods.base import InputStats, LayerResult, LayerTask, relative_error
-from .methods.magnitude import Magnitude
-from .methods.rtn import RTN
-from .quantize import QuantizedWeight
-from .recipe import MagnitudeConfig, Recipe, RTNConfig, as_recipe
+from .methods.config import pattern_matches
+from .methods.magnitude import Magnitude, MagnitudeConfig
+from .methods.rtn import RTN, RTNConfig
+from .recipe import Recipe, as_recipe
 
 
 @dataclass
@@ -99,231 +102,13 @@ class CompressionResult:
         }
 
 
-# -- model structure ----------------------------------------------------------------
-
-def find_decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The decoder blocks of a causal LM: ``("model.layers", ModuleList)`` for llama/qwen2.
-
-    Raises:
-        UnsupportedArchitectureError: no ``ModuleList`` of blocks found.
-    """
-    for prefix in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers"):
-        try:
-            mod = model.get_submodule(prefix)
-        except AttributeError:
-            continue
-        if isinstance(mod, nn.ModuleList) and len(mod):
-            return prefix, mod
-    best = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) and any(isinstance(m, nn.Linear) for m in mod[0].modules()):
-            if best is None or len(mod) > len(best[1]):
-                best = (name, mod)
-    if best is None:
-        raise UnsupportedArchitectureError(
-            f"cannot find the decoder blocks of {type(model).__name__}",
-            "use a llama/qwen2-style causal LM whose blocks live in model.layers")
-    return best
-
-
-class _StopForward(Exception):
-    pass
-
-
-def _capture_block_inputs(model, blocks, calib_ids, attention_mask, batch_size, device):
-    """Run the model up to block 0 on each batch; return ``[(hidden, kwargs, tokmask)]``."""
-    captured = []
-
-    def pre_hook(mod, args, kwargs):
-        kwargs = dict(kwargs)
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        for k in ("past_key_values", "cache", "past_key_value"):
-            kwargs.pop(k, None)
-        kwargs["use_cache"] = False
-        captured.append((hidden, kwargs))
-        raise _StopForward
-
-    h = blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
-    batches = []
-    try:
-        for b0 in range(0, calib_ids.shape[0], batch_size):
-            ids = calib_ids[b0:b0 + batch_size].to(device)
-            kw = {"use_cache": False}
-            if attention_mask is not None:
-                am = attention_mask[b0:b0 + batch_size].to(device)
-                kw["attention_mask"] = am
-                kw["position_ids"] = (am.long().cumsum(-1) - 1).clamp(min=0)
-                tokmask = am.bool()
-            else:
-                tokmask = torch.ones_like(ids, dtype=torch.bool)
-            try:
-                model(input_ids=ids, **kw)
-            except _StopForward:
-                pass
-            if len(captured) != len(batches) + 1:
-                raise UnsupportedArchitectureError(
-                    "the model's forward never reached its first decoder block",
-                    "use a llama/qwen2-style causal LM")
-            hidden, kwargs = captured[-1]
-            if not bool(tokmask.all()):
-                hidden = hidden.masked_fill(~tokmask.unsqueeze(-1), 0.0)
-            batches.append([hidden, kwargs, tokmask])
-    finally:
-        h.remove()
-    return batches
-
-
-def _run_block(block, batches):
-    """Replace each batch's hidden states by the block's output.
-
-    Padded positions are reset to zero so that nothing non-finite computed there (a
-    fully masked attention row) can leak into real tokens through ``0 * NaN``.
-    """
-    for b in batches:
-        out = block(b[0], **b[1])
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        if not bool(b[2].all()):
-            out = out.masked_fill(~b[2].unsqueeze(-1), 0.0)
-        b[0] = out
-
-
-class _StatsCollector:
-    """Forward hooks accumulating :class:`InputStats` for a set of linears.
-
-    Linears called back to back on the very same input tensor (q/k/v; gate/up) are
-    detected on the first batch and share one statistics object.
-    """
-
-    def __init__(self, modules: dict[str, nn.Linear], hessian: bool, device, error_tokens: int = 0):
-        self.modules = modules
-        self.hessian = hessian
-        self.device = device
-        self.error_tokens = error_tokens
-        self.stats: dict[str, InputStats] = {}
-        self.leader: dict[str, str] = {}
-        self.tokmask: Optional[torch.Tensor] = None
-        self._prev = None  # (tensor, leader name) of the last hooked call
-        self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in modules.items()]
-
-    def _hook(self, name):
-        def hook(mod, inp):
-            x = inp[0]
-            if name not in self.leader:
-                if self._prev is not None and self._prev[0] is x:
-                    self.leader[name] = self._prev[1]
-                else:
-                    self.leader[name] = name
-                    self.stats[name] = InputStats.empty(x.shape[-1], self.hessian, self.device,
-                                                        self.error_tokens)
-            lead = self.leader[name]
-            self._prev = (x, lead)
-            if lead != name:
-                return
-            x2 = x.detach().reshape(-1, x.shape[-1])
-            valid = self.tokmask.reshape(-1)
-            st = self.stats[lead]
-            all_valid = bool(valid.all())
-            if all_valid and bool(torch.isfinite(x2.sum())):  # fast path: one reduction
-                st.add(x2)
-                return
-            # per element: a row sum overflows in fp16 (finite "massive activations" > 65504)
-            finite = torch.isfinite(x2).all(1)
-            st.n_excluded += int((valid & ~finite).sum())
-            st.add(x2[valid & finite])
-        return hook
-
-    def run(self, block, batches, stop_at: Optional[str] = None):
-        """One forward pass of ``block`` over all batches; returns ``{name: InputStats}``.
-
-        The pass stops right after the last target linear has seen its input (the
-        block's remaining ops and outputs are not needed here): from the first batch on
-        when ``stop_at`` names that linear, else from the second batch on (the first one
-        finds the call order).
-        """
-        order: list[str] = []
-        rec, stop = [], None
-        if stop_at is not None:
-            stop = self.modules[stop_at].register_forward_pre_hook(_raise_stop)
-        else:
-            rec = [m.register_forward_pre_hook(lambda mod, inp, n=n: order.append(n))
-                   for n, m in self.modules.items()]
-        with torch.no_grad():
-            for bi, b in enumerate(batches):
-                self.tokmask = b[2]
-                self._prev = None
-                try:
-                    block(b[0], **b[1])
-                except _StopForward:
-                    pass
-                if bi == 0 and stop is None:
-                    for h in rec:
-                        h.remove()
-                    if order:
-                        last = self.modules[order[-1]]
-                        stop = last.register_forward_pre_hook(_raise_stop)
-        self._prev = None
-        for h in self.handles + ([stop] if stop is not None else []):
-            h.remove()
-        return {n: self.stats[self.leader[n]] for n in self.modules if n in self.leader}
-
-
-def _raise_stop(mod, inp):
-    raise _StopForward
-
-
-def _sequential_groups(block, modules: dict[str, nn.Linear], batch, suffixes: tuple) -> list[list[str]]:
-    """Split a block's target linears into "true-sequential" groups, in forward order.
-
-    Linears called back to back on the very same input tensor form one group (q/k/v;
-    gate/up); the groups come in the order the block calls them, e.g. ``[[q, k, v], [o],
-    [gate, up], [down]]`` for llama/qwen2. This is the ``true_sequential`` order of the
-    GPTQ reference code (Frantar et al. 2023, ``llama.py``): each group is calibrated on
-    the inputs produced by the already-compressed groups before it, so that e.g.
-    ``o_proj``'s Hessian comes from the quantized attention output.
-
-    Args:
-        block: one decoder block.
-        modules: full name -> linear, in ``block.named_modules()`` order.
-        batch: one calibration batch ``[hidden, kwargs, tokmask]`` (one forward is run).
-        suffixes: the names relative to the block, parallel to ``modules``.
-
-    Returns:
-        groups of suffixes. Linears never called by the forward go last, in one group.
-    """
-    calls: list[tuple[str, object]] = []
-    by_mod = dict(zip(modules, suffixes))
-    hooks = [m.register_forward_pre_hook(lambda mod, inp, n=n: calls.append((by_mod[n], inp[0])))
-             for n, m in modules.items()]
-    try:
-        with torch.no_grad():
-            block(batch[0], **batch[1])
-    finally:
-        for h in hooks:
-            h.remove()
-    groups: list[list[str]] = []
-    seen: set = set()
-    prev = None
-    for sfx, x in calls:
-        if sfx in seen:
-            continue
-        seen.add(sfx)
-        if prev is not None and prev is x:
-            groups[-1].append(sfx)
-        else:
-            groups.append([sfx])
-        prev = x
-    rest = [s for s in suffixes if s not in seen]
-    if rest:
-        groups.append(rest)
-    return groups
-
-
 def _plan(recipe: Recipe, methods, prefix: str, blocks) -> list[list[tuple[int, list[str]]]]:
     """Per block: ``[(stage index, [target names])]``; checks every rule before any change.
 
     Raises:
         ConfigError: a shape the method cannot handle, pruning after quantization, a layer
-            quantized twice (other than AWQ then another quantizer), or no target at all.
+            quantized twice (other than after a method that ``may_precede_quantizer``,
+            AWQ), or no target at all.
     """
     plan = []
     any_target = False
@@ -337,19 +122,17 @@ def _plan(recipe: Recipe, methods, prefix: str, blocks) -> list[list[tuple[int, 
                 if not cfg.selects(name):
                     continue
                 meth.check_layer(name, mod.out_features, mod.in_features)
-                prev = history.setdefault(name, [])
-                quantizes = cfg.kind == "quant" or bool(getattr(cfg, "bits", None))
-                prunes = cfg.kind == "prune"
-                if prunes and any(q for _, q, _ in prev):
+                prev = history.setdefault(name, [])  # (quantized, may precede a quantizer) per stage
+                if cfg.is_pruner and any(q for q, _ in prev):
                     raise ConfigError(f"{name}: stage {si + 1} ({cfg.method}) prunes a layer an earlier "
                                       "stage already quantized",
                                       "put pruning stages before quantization stages in the recipe")
-                if quantizes and any(q and m != "awq" for m, q, _ in prev):
+                if cfg.quantizes and any(q and not precedes for q, precedes in prev):
                     raise ConfigError(f"{name}: stage {si + 1} ({cfg.method}) quantizes a layer an earlier "
                                       "stage already quantized",
-                                      "quantize each layer once (only awq may precede another quantizer), "
+                                      f"quantize each layer once{_may_precede_note()}, "
                                       "or narrow the stages' targets")
-                prev.append((cfg.method, quantizes, si))
+                prev.append((cfg.quantizes, cfg.may_precede_quantizer))
                 names.append(name)
             per_stage.append((si, names))
             any_target |= bool(names)
@@ -362,6 +145,13 @@ def _plan(recipe: Recipe, methods, prefix: str, blocks) -> list[list[tuple[int, 
     return plan
 
 
+def _may_precede_note() -> str:
+    """`` (only awq may precede another quantizer)``: the registered methods whose scaling
+    may run before another quantizer of the same layer."""
+    names = [n for n, c in config_classes().items() if c.may_precede_quantizer]
+    return f" (only {' or '.join(names)} may precede another quantizer)" if names else ""
+
+
 def _check_patterns_match(recipe: Recipe, names: list[str]) -> None:
     """Every ``targets`` pattern of every stage selects a decoder-block linear, and every
     ``ignore`` pattern one of those or ``lm_head`` (a typo would otherwise silently leave a
@@ -370,7 +160,6 @@ def _check_patterns_match(recipe: Recipe, names: list[str]) -> None:
     Raises:
         ConfigError: naming the stage and the pattern.
     """
-    from .recipe import pattern_matches
     for si, cfg in enumerate(recipe.stages):
         for attr, pool in (("targets", names), ("ignore", names + ["lm_head"])):
             for p in getattr(cfg, attr) or []:
@@ -408,13 +197,14 @@ def _checked_plan(model: nn.Module, recipe):
 
 
 def _later_quantizes(recipe: Recipe, si: int, name: str) -> bool:
-    return any((c.kind == "quant" or getattr(c, "bits", None)) and c.selects(name)
-               for c in recipe.stages[si + 1:])
+    return any(c.quantizes and c.selects(name) for c in recipe.stages[si + 1:])
 
 
 def _baseline_results(cfg, tasks: list[LayerTask], why: str) -> dict[str, LayerResult]:
-    """Data-free fallback for a group: RTN for quantizers, magnitude for pruners."""
-    if cfg.kind == "quant" or getattr(cfg, "bits", None):
+    """Data-free fallback for a group: RTN for stages that quantize (from the config's
+    ``bits``, ``group_size``, ``sym``), magnitude for the others (``sparsity``,
+    ``prune_n``, ``prune_m``)."""
+    if cfg.quantizes:
         meth = RTN(RTNConfig(bits=cfg.bits, group_size=cfg.group_size, sym=cfg.sym))
         label = "RTN"
     else:
@@ -510,14 +300,14 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
         in_blocks = {id(m) for b in blocks for m in b.modules()}
         moved = [m for m in model.modules() if id(m) not in in_blocks]
         for mod in moved:
-            _move_own(mod, device)
+            move_own_tensors(mod, device)
     try:
         # data-free recipes (magnitude / RTN without error measurement) need no forward pass
         need_data = measure_errors or not all(m.data_free for m in methods)
         batches = []
         if need_data:
             with torch.no_grad():
-                batches = _capture_block_inputs(model, blocks, calib_ids, attention_mask, batch_size, device)
+                batches = capture_block_inputs(model, blocks, calib_ids, attention_mask, batch_size, device)
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -539,7 +329,7 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
                 if getattr(cfg, "true_sequential", False) and need_data and len(names) > 1:
                     key = tuple(n[len(f"{prefix}.{bi}."):] for n in names)  # names relative to the block
                     if key not in seq_groups:
-                        seq_groups[key] = _sequential_groups(block, {n: modules[n] for n in names},
+                        seq_groups[key] = sequential_groups(block, {n: modules[n] for n in names},
                                                              batches[0], key)
                     groups = [[f"{prefix}.{bi}.{sfx}" for sfx in g] for g in seq_groups[key]]
                 else:
@@ -555,7 +345,7 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
                         result.layer_errors[n] = relative_error(ref[n], modules[n].weight.detach().float(), He)
             if need_data and bi < len(blocks) - 1:  # the last block's outputs feed nothing
                 with torch.no_grad():
-                    _run_block(block, batches)
+                    run_block(block, batches)
             block.to(blk_dev)
             if bar is not None:
                 bar.update(1)
@@ -563,7 +353,7 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
             bar.close()
     finally:
         for mod in moved:
-            _move_own(mod, base_dev)
+            move_own_tensors(mod, base_dev)
         model.train(was_training)
     result.seconds = time.perf_counter() - t0
     return result
@@ -581,7 +371,7 @@ def _compress_group(block, modules, names, cfg, meth, recipe, si, batches, resul
     if meth.data_free and not measure_errors:
         stats = {n: InputStats.empty(modules[n].in_features, False, device) for n in names}
     else:
-        stats = _StatsCollector({n: modules[n] for n in names}, meth.needs_hessian, device,
+        stats = StatsCollector({n: modules[n] for n in names}, meth.needs_hessian, device,
                                 error_tokens if measure_errors else 0).run(
             block, batches, stop_at=names[-1] if in_call_order else None)
     tasks = []
@@ -596,7 +386,7 @@ def _compress_group(block, modules, names, cfg, meth, recipe, si, batches, resul
                                 "activations excluded from the statistics")
     try:
         with torch.no_grad():
-            res = meth.compress_block(block, tasks)
+            res = meth.compress_block(block, tasks, **({"inputs": batches} if meth.needs_block_inputs else {}))
     except EdgePruneError:
         raise
     except Exception as e:  # numerical failure inside a method: fall back, keep going
@@ -610,14 +400,6 @@ def _compress_group(block, modules, names, cfg, meth, recipe, si, batches, resul
             ref[t.name] = r.reference.float()
         final_stats[t.name] = r.stats if r.stats is not None else t.stats
     return final_stats
-
-
-def _move_own(mod: nn.Module, device) -> None:
-    for p in mod.parameters(recurse=False):
-        p.data = p.data.to(device)
-    for name, b in list(mod.named_buffers(recurse=False)):
-        setattr(mod, name, b.to(device))
-
 
 def _write_back(task: LayerTask, r: LayerResult, result: CompressionResult) -> None:
     """Copy a method's result into the module and the :class:`CompressionResult`."""

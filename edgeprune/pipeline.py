@@ -84,8 +84,11 @@ class RunConfig:
             return {}
         if self.method is None and any(v is not None for v in
                                        (self.sparsity, self.prune_n, self.prune_m)):
+            from .methods import config_classes
+
+            pruners = [n for n, c in config_classes().items() if c.is_pruner]
             raise ConfigError("--sparsity/--pattern need a pruning method",
-                              "add --method sparsegpt, wanda or magnitude")
+                              f"add --method {', '.join(pruners[:-1])} or {pruners[-1]}")
         method = self.method or DEFAULT_METHOD["method"]
         kw: dict[str, Any] = {k: getattr(self, k) for k in METHOD_SETTINGS}
         if self.method is None:

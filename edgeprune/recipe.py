@@ -1,9 +1,13 @@
-"""Compression configs (one dataclass per method) and :class:`Recipe`, which chains them.
+"""Recipes: an ordered chain of method configs (:class:`Recipe`), read from a file or a dict.
 
 Style follows torchao's ``quantize_(model, Int4WeightOnlyConfig(group_size=128))``: a
 config object names a method and its settings; :func:`edgeprune.engine.compress` is the
-one verb. A :class:`Recipe` is an ordered list of stages, e.g. SparseGPT 2:4 then GPTQ
-int4 ("2:4 + int4"), or AWQ then GPTQ. Recipes read from TOML or YAML::
+one verb. Each method's config class lives in the method's own file
+(``edgeprune/methods/gptq.py`` holds ``GPTQConfig``) and is found through the method
+registry (:mod:`edgeprune.methods.registry`); this module re-exports them
+(``edgeprune.recipe.GPTQConfig``). A :class:`Recipe` is an ordered list of stages, e.g.
+SparseGPT 2:4 then GPTQ int4 ("2:4 + int4"), or AWQ then GPTQ. Recipes read from TOML or
+YAML::
 
     # recipe.toml
     [[stages]]
@@ -16,323 +20,34 @@ int4 ("2:4 + int4"), or AWQ then GPTQ. Recipes read from TOML or YAML::
     bits = 4
     group_size = 64
 
-Every config has ``targets`` (``None``: every ``nn.Linear`` inside the decoder blocks)
-and ``ignore`` (default ``["lm_head"]``). A pattern matches a module name when it is
-equal to it, is a dotted suffix of it (``"q_proj"``, ``"mlp.down_proj"``), matches it
-as a shell glob (``"model.layers.1*.mlp.*"``), or, with the prefix ``"re:"``, as a
-regular expression searched in the name (llm-compressor's convention).
-
-N:M convention: ``prune_n:prune_m`` keeps at most ``prune_n`` nonzero weights in every
-``prune_m`` consecutive input weights of a row (NVIDIA's 2:4 keeps 2 of 4). For 2:4
-and 4:8 this is also the Wanda/SparseGPT reference code's "prune n of m".
+Every config has ``targets`` and ``ignore`` patterns (see
+:mod:`edgeprune.methods.config`: exact name, dotted suffix, glob, or ``re:`` regex).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import fnmatch
 import json
-import numbers
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 from .errors import ConfigError
-from .quantize import SUPPORTED_BITS
-
-
-def _default_ignore() -> list[str]:
-    return ["lm_head"]
-
-
-def pattern_matches(pattern: str, name: str) -> bool:
-    """True when ``pattern`` selects module ``name`` (exact, dotted suffix, glob, or ``re:``)."""
-    if pattern.startswith("re:"):
-        return re.search(pattern[3:], name) is not None
-    if name == pattern or name.endswith("." + pattern):
-        return True
-    return fnmatch.fnmatchcase(name, pattern)
-
-
-def _check_sparsity(cfg) -> None:
-    if cfg.prune_n or cfg.prune_m:
-        if cfg.prune_n <= 0 or cfg.prune_m <= 0 or cfg.prune_n >= cfg.prune_m:
-            raise ConfigError(
-                f"N:M sparsity {cfg.prune_n}:{cfg.prune_m} is invalid",
-                "use 0 < prune_n < prune_m, e.g. prune_n=2 prune_m=4 (2:4) or 4:8")
-        return
-    if not isinstance(cfg.sparsity, (int, float)) or not 0.0 <= float(cfg.sparsity) < 1.0:
-        raise ConfigError(f"sparsity={cfg.sparsity} is outside [0, 1)",
-                          "use a fraction of weights to remove, e.g. 0.5")
-
-
-def _check_bits(bits, group_size, sym) -> None:
-    if bits not in SUPPORTED_BITS:
-        raise ConfigError(f"bits={bits} is not supported",
-                          f"use one of {', '.join(map(str, SUPPORTED_BITS))}")
-    if not isinstance(group_size, int) or (group_size != -1 and group_size <= 0):
-        raise ConfigError(f"group_size={group_size} must be -1 (per row) or a positive integer",
-                          "use e.g. group_size=64 (or -1 for one group per row)")
-    if not isinstance(sym, bool):
-        raise ConfigError(f"sym={sym!r} must be true or false", "use sym=true or sym=false")
-
-
-def _check_targets(cfg) -> None:
-    for attr in ("targets", "ignore"):
-        v = getattr(cfg, attr)
-        if v is None and attr == "targets":
-            continue
-        if isinstance(v, str) or not all(isinstance(p, str) for p in (v or [])):
-            raise ConfigError(f"{attr}={v!r} must be a list of module-name patterns",
-                              f'write e.g. {attr} = ["q_proj", "re:.*mlp.*"]')
-        for p in v or []:
-            if p.startswith("re:"):
-                try:
-                    re.compile(p[3:])
-                except re.error as e:
-                    raise ConfigError(f"{cfg.method} stage: {attr} pattern {p!r} is not a valid "
-                                      f"regular expression ({e})",
-                                      "fix the expression after 're:' (Python re syntax), "
-                                      'e.g. "re:self_attn\\.(q|k)_proj$"') from None
-
-
-@dataclass(kw_only=True)
-class _Base:
-    targets: Optional[list[str]] = None
-    ignore: list[str] = field(default_factory=_default_ignore)
-
-    method = ""  # overridden per class
-    kind = ""    # "prune" | "quant"
-
-    def selects(self, name: str) -> bool:
-        """True when the module ``name`` is a target of this stage (and not ignored)."""
-        if any(pattern_matches(p, name) for p in self.ignore or []):
-            return False
-        if self.targets is None:
-            return True
-        return any(pattern_matches(p, name) for p in self.targets)
-
-    def to_dict(self) -> dict:
-        d = {"method": self.method}
-        d.update(dataclasses.asdict(self))
-        return d
-
-    def validate(self) -> None:  # pragma: no cover - overridden
-        _check_targets(self)
-
-
-@dataclass
-class MagnitudeConfig(_Base):
-    """Magnitude pruning (baseline): remove the smallest ``|W|`` in each layer (or N:M)."""
-
-    sparsity: float = 0.5
-    prune_n: int = 0
-    prune_m: int = 0
-    method = "magnitude"
-    kind = "prune"
-
-    def validate(self) -> None:
-        """Raises :class:`ConfigError` on a bad sparsity / N:M / target list."""
-        _check_targets(self)
-        _check_sparsity(self)
-
-
-@dataclass
-class WandaConfig(_Base):
-    """Wanda (Sun et al. 2024): prune by ``|W_ij| * ||X_j||_2`` within each output row."""
-
-    sparsity: float = 0.5
-    prune_n: int = 0
-    prune_m: int = 0
-    method = "wanda"
-    kind = "prune"
-
-    def validate(self) -> None:
-        """Raises :class:`ConfigError` on a bad sparsity / N:M / target list."""
-        _check_targets(self)
-        _check_sparsity(self)
-
-
-@dataclass
-class SparseGPTConfig(_Base):
-    """SparseGPT (Frantar & Alistarh 2023): OBS pruning with optional joint quantization.
-
-    ``true_sequential`` (default on): within a block the linears are pruned in forward
-    order, group by group (``[q,k,v]``, ``[o]``, ``[gate,up]``, ``[down]``), each group's
-    Hessian gathered from the outputs of the already-pruned groups before it (as GPTQ's
-    reference code does); off: every linear of the block from one pass of dense inputs
-    (the SparseGPT reference code and llm-compressor).
-    """
-
-    sparsity: float = 0.5
-    prune_n: int = 0
-    prune_m: int = 0
-    blocksize: int = 128
-    percdamp: float = 0.01
-    bits: Optional[int] = None
-    group_size: int = 64
-    sym: bool = False
-    true_sequential: bool = True
-    method = "sparsegpt"
-    kind = "prune"
-
-    def validate(self) -> None:
-        """Raises :class:`ConfigError` on bad sparsity, damping, block size or grid."""
-        _check_targets(self)
-        _check_sparsity(self)
-        if not 0 <= self.percdamp:
-            raise ConfigError(f"percdamp={self.percdamp} must be >= 0", "use e.g. 0.01")
-        if self.blocksize <= 0:
-            raise ConfigError(f"blocksize={self.blocksize} must be positive", "use 128")
-        if self.bits is not None:
-            _check_bits(self.bits, self.group_size, self.sym)
-
-    @property
-    def quantizes(self) -> bool:
-        return self.bits is not None
-
-
-@dataclass
-class RTNConfig(_Base):
-    """Round-to-nearest group-wise quantization (baseline)."""
-
-    bits: int = 4
-    group_size: int = 64
-    sym: bool = False
-    method = "rtn"
-    kind = "quant"
-
-    def validate(self) -> None:
-        """Raises :class:`ConfigError` on a bad grid."""
-        _check_targets(self)
-        _check_bits(self.bits, self.group_size, self.sym)
-
-
-@dataclass
-class GPTQConfig(_Base):
-    """GPTQ (Frantar et al. 2023): second-order weight quantization with error feedback.
-
-    ``true_sequential`` (default on, the reference code's ``--true-sequential``): within a
-    block the linears are quantized in forward order, group by group (``[q,k,v]``, ``[o]``,
-    ``[gate,up]``, ``[down]``), each group's Hessian gathered from the outputs of the
-    already-quantized groups before it; off: every linear of the block from one pass over
-    the block's inputs (llm-compressor's behaviour).
-    """
-
-    bits: int = 4
-    group_size: int = 64
-    sym: bool = False
-    act_order: bool = False
-    static_groups: bool = False
-    damp_percent: float = 0.01
-    blocksize: int = 128
-    true_sequential: bool = True
-    method = "gptq"
-    kind = "quant"
-
-    def validate(self) -> None:
-        """Raises :class:`ConfigError` on a bad grid, damping or block size."""
-        _check_targets(self)
-        _check_bits(self.bits, self.group_size, self.sym)
-        if not 0 <= self.damp_percent:
-            raise ConfigError(f"damp_percent={self.damp_percent} must be >= 0", "use e.g. 0.01")
-        if self.blocksize <= 0:
-            raise ConfigError(f"blocksize={self.blocksize} must be positive", "use 128")
-
-
-@dataclass
-class AWQConfig(_Base):
-    """AWQ (Lin et al. 2024): activation-aware per-channel scaling, clipping, then quantization.
-
-    ``duo_scaling`` (AutoAWQ / llm-compressor default) uses ``s = mean|x|^a / mean|w|^(1-a)``;
-    set it to ``False`` for the paper's ``s = mean|x|^a``. ``max_shrink`` bounds the clipping
-    search (clip ratios ``1, 1-1/n_grid, ..., 1-max_shrink``).
-    """
-
-    bits: int = 4
-    group_size: int = 64
-    sym: bool = False
-    n_grid: int = 20
-    clip_search: bool = True
-    duo_scaling: bool = True
-    max_shrink: float = 0.5
-    method = "awq"
-    kind = "quant"
-
-    def validate(self) -> None:
-        """Raises :class:`ConfigError` on a bad grid or search setting."""
-        _check_targets(self)
-        _check_bits(self.bits, self.group_size, self.sym)
-        if self.n_grid < 1:
-            raise ConfigError(f"n_grid={self.n_grid} must be >= 1", "use 20")
-        if not 0 <= self.max_shrink < 1:
-            raise ConfigError(f"max_shrink={self.max_shrink} must be in [0, 1)", "use 0.5")
-
-
-MethodConfig = Union[MagnitudeConfig, WandaConfig, SparseGPTConfig, RTNConfig, GPTQConfig, AWQConfig]
-
-CONFIGS: dict[str, type] = {c.method: c for c in
-                            (MagnitudeConfig, WandaConfig, SparseGPTConfig, RTNConfig, GPTQConfig, AWQConfig)}
-
-
-_SCALAR_TYPES = {"int": ((numbers.Integral,), "an integer"), "float": ((numbers.Real,), "a number"),
-                 "bool": ((bool,), "true or false")}
-
-
-def _check_setting_types(cfg) -> None:
-    """A recipe file's ``blocksize: "128"`` is a one-line error, not a TypeError deep in
-    a method."""
-    for f in dataclasses.fields(cfg):
-        t = str(f.type)
-        optional = t.startswith("Optional[")
-        base = t[len("Optional["):-1] if optional else t
-        if base not in _SCALAR_TYPES:
-            continue
-        v = getattr(cfg, f.name)
-        if v is None and optional:
-            continue
-        types, what = _SCALAR_TYPES[base]
-        if not isinstance(v, types) or (base != "bool" and isinstance(v, bool)):
-            example = f.default if f.default is not dataclasses.MISSING and f.default is not None \
-                else {"int": 128, "float": 0.5, "bool": True}[base]
-            shown = str(example).lower() if base == "bool" else example
-            hint = f"write it unquoted, e.g. {f.name}: {shown} (YAML) or {f.name} = {shown} (TOML)"
-            if isinstance(v, str) and base == "float":
-                try:
-                    float(v)
-                    hint += "; YAML reads exponents like 1e-2 as text, write 0.01"
-                except ValueError:
-                    pass
-            raise ConfigError(f"{cfg.method} setting {f.name}={v!r} must be {what}", hint)
+from .methods import CONFIGS, MethodConfig, config_class, config_classes, is_registered
+from .methods.config import pattern_matches  # noqa: F401  (re-exported)
 
 
 def method_config_from_name(name: str, **kwargs: Any) -> MethodConfig:
-    """Build a method config from its name and settings, e.g. ``("gptq", bits=4)``.
+    """Build a method config from its registered name and settings, e.g. ``("gptq", bits=4)``.
 
-    Settings that are ``None`` are dropped (so a CLI can pass every option); settings the
-    method does not have raise.
+    The name is matched without case, ``-`` or ``_``. Settings that are ``None`` are
+    dropped (so a CLI can pass every option); settings the method does not have raise
+    (:meth:`~edgeprune.methods.config.MethodConfig.from_options`).
 
     Raises:
-        ConfigError: unknown method name or unknown setting for that method.
+        ConfigError: unknown method name (listing the registered ones), unknown setting
+            for that method, or a bad value.
     """
-    key = (name or "").strip().lower().replace("-", "").replace("_", "")
-    if key not in CONFIGS:
-        raise ConfigError(f"unknown compression method {name!r}",
-                          f"use one of {', '.join(sorted(CONFIGS))}")
-    cls = CONFIGS[key]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kw = {k: v for k, v in kwargs.items() if v is not None}
-    if key == "sparsegpt" and "bits" in kwargs and kwargs["bits"] is None:
-        kw.pop("bits", None)
-    bad = sorted(set(kw) - fields)
-    if bad:
-        raise ConfigError(f"method {key!r} has no setting {', '.join(bad)}",
-                          f"its settings are {', '.join(sorted(fields))}")
-    cfg = cls(**kw)
-    _check_setting_types(cfg)
-    cfg.validate()
-    return cfg
+    return config_class(name).from_options(**kwargs)
 
 
 @dataclass
@@ -341,8 +56,8 @@ class Recipe:
 
     Within each decoder block the stages run in order, each on the outputs of the
     previous one (statistics are re-captured per stage). Rules (checked per layer by the
-    engine, and here where the recipe alone decides): pruning comes before quantization;
-    a layer is quantized by at most one stage, except that an ``awq`` stage may be
+    engine): pruning comes before quantization; a layer is quantized by at most one
+    stage, except that a stage whose method ``may_precede_quantizer`` (``awq``) may be
     followed by another quantization stage (AWQ then only folds its scales and clips,
     and the later stage produces the integer codes).
     """
@@ -363,7 +78,7 @@ class Recipe:
         if not self.stages:
             raise ConfigError("the recipe has no stages", "add at least one method, e.g. gptq")
         for s in self.stages:
-            if not hasattr(s, "validate") or getattr(s, "method", "") not in CONFIGS:
+            if not is_registered(s):
                 raise ConfigError(f"recipe stage {s!r} is not a method config",
                                   f"use one of {', '.join(sorted(CONFIGS))}")
             s.validate()
@@ -435,7 +150,7 @@ class Recipe:
 
 
 def _config_from_dict(s: Any) -> MethodConfig:
-    if isinstance(s, _Base):
+    if isinstance(s, MethodConfig):
         return s
     if not isinstance(s, dict) or "method" not in s:
         raise ConfigError(f"recipe stage {s!r} has no 'method'",
@@ -448,7 +163,7 @@ def as_recipe(obj: Any) -> Recipe:
     """Coerce a config, a list of configs, a dict, a path or a :class:`Recipe` to a Recipe."""
     if isinstance(obj, Recipe):
         return obj
-    if isinstance(obj, _Base):
+    if isinstance(obj, MethodConfig):
         return Recipe(stages=[obj])
     if isinstance(obj, (list, tuple)):
         return Recipe(stages=list(obj))
@@ -460,6 +175,13 @@ def as_recipe(obj: Any) -> Recipe:
                       "pass a method config (e.g. GPTQConfig(bits=4)), a list of them, or a recipe file")
 
 
-__all__ = ["MagnitudeConfig", "WandaConfig", "SparseGPTConfig", "RTNConfig", "GPTQConfig",
-           "AWQConfig", "Recipe", "MethodConfig", "method_config_from_name", "as_recipe",
-           "pattern_matches", "CONFIGS"]
+def __getattr__(name: str):
+    """``edgeprune.recipe.GPTQConfig`` and every other registered config class by its name."""
+    for cls in config_classes().values():
+        if cls.__name__ == name:
+            return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Recipe", "MethodConfig", "method_config_from_name", "as_recipe", "pattern_matches",
+           "CONFIGS"] + [c.__name__ for c in CONFIGS.values()]

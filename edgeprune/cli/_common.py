@@ -3,6 +3,7 @@ compression options of ``run`` and ``compress``."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -12,7 +13,44 @@ from runtime.errors import ConfigError
 from runtime.files import FILE_OUTPUT, FOLDER_OUTPUT, check_output, write_json
 from runtime.files import json_ready as _finite  # noqa: F401 - edgeprune.cli._finite
 
-METHODS = ["magnitude", "wanda", "sparsegpt", "rtn", "gptq", "awq"]
+
+class _RegisteredMethods(Sequence):
+    """The compression method names of the registry (:func:`edgeprune.methods.method_names`),
+    read on each use: the registry imports torch, the CLI's start does not."""
+
+    def _names(self) -> tuple:
+        from ..methods import method_names
+
+        return tuple(method_names())
+
+    def __getitem__(self, i):
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __repr__(self) -> str:
+        return repr(list(self._names()))
+
+
+#: The ``--method`` choices: every registered compression method.
+METHODS = _RegisteredMethods()
+
+
+class _MethodChoice(click.Choice):
+    """``click.Choice`` over :data:`METHODS`, looked up when click first needs them
+    (parsing ``--method``, printing help), not when the CLI starts."""
+
+    def __init__(self):
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple:
+        return tuple(METHODS)
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice.__init__ assigns; ours come from the registry
+        pass
 
 
 def _console():
@@ -89,7 +127,7 @@ def _parse_levels(items) -> dict:
 def method_options(f):
     """Options shared by ``run`` and ``compress``."""
     opts = [
-        click.option("--method", type=click.Choice(METHODS), default=None,
+        click.option("--method", type=_MethodChoice(), default=None,
                      help="Compression method (default for run: the best-w4 preset, GPTQ int4 g64 with 8-bit v_proj and first-layer down_proj)."),
         click.option("--recipe", type=click.Path(dir_okay=False), default=None,
                      help="TOML/YAML recipe file chaining methods, or a preset name such as best-w4 (it fixes the method and its settings: not with --method, --bits, --group-size, --sym, --sparsity or --pattern)."),

@@ -1,4 +1,4 @@
-"""Compression methods, one file each; :func:`get_method` maps a config to its method.
+"""Compression methods, one file each, found through the method registry.
 
 =========  =====  ===========================================================
 method     kind   paper
@@ -10,43 +10,34 @@ rtn        quant  baseline (round-to-nearest)
 gptq       quant  Frantar et al., "GPTQ", ICLR 2023
 awq        quant  Lin et al., "AWQ", MLSys 2024
 =========  =====  ===========================================================
+
+Adding a method: one file ``methods/<name>.py`` holding its config (a dataclass deriving
+:class:`MethodConfig`, or :class:`PruneOptions` / :class:`QuantOptions`, with
+``method = "<name>"``) and its :class:`Method`, joined by ``@register_method(<Name>Config)``;
+and one import line below. The CLI's ``--method`` choices, recipe parsing
+(``method: <name>``), ``edgeprune.<Name>Config`` and the engine then find it.
 """
 
 from __future__ import annotations
 
-from ..errors import ConfigError
 from .base import InputStats, LayerResult, LayerTask, Method
-from .magnitude import Magnitude, magnitude_prune
-from .rtn import RTN
-from .wanda import Wanda, wanda_prune
-from .gptq import GPTQ, gptq_quantize
+from .config import MethodConfig, PruneOptions, QuantOptions
+from .registry import (CONFIGS, METHODS, config_class, config_classes, get_method, is_registered,
+                       method_names, register_method, unregister_method)
 
-METHODS: dict[str, type] = {"magnitude": Magnitude, "wanda": Wanda, "rtn": RTN, "gptq": GPTQ}
+# one line per method; the order is the CLI's order of --method choices
+from . import magnitude  # noqa: E402,F401
+from . import wanda  # noqa: E402,F401
+from . import sparsegpt  # noqa: E402,F401
+from . import rtn  # noqa: E402,F401
+from . import gptq  # noqa: E402,F401
+from . import awq  # noqa: E402,F401
 
-try:  # these two land in later commits; keep the package importable meanwhile
-    from .sparsegpt import SparseGPT, sparsegpt_prune  # noqa: F401
-    METHODS["sparsegpt"] = SparseGPT
-except ImportError:  # pragma: no cover
-    pass
-try:
-    from .awq import AWQ  # noqa: F401
-    METHODS["awq"] = AWQ
-except ImportError:  # pragma: no cover
-    pass
+from .gptq import gptq_quantize  # noqa: E402
+from .magnitude import magnitude_prune  # noqa: E402
+from .wanda import wanda_prune  # noqa: E402
 
-
-def get_method(config) -> Method:
-    """Instantiate the method for a config object (see :mod:`edgeprune.recipe`).
-
-    Raises:
-        ConfigError: no method is registered under ``config.method``.
-    """
-    name = getattr(config, "method", None)
-    if name not in METHODS:
-        raise ConfigError(f"no compression method named {name!r}",
-                          f"use one of {', '.join(sorted(METHODS))}")
-    return METHODS[name](config)
-
-
-__all__ = ["METHODS", "get_method", "Method", "InputStats", "LayerTask", "LayerResult",
+__all__ = ["METHODS", "CONFIGS", "get_method", "method_names", "config_class", "config_classes",
+           "is_registered", "register_method", "unregister_method", "Method", "MethodConfig",
+           "PruneOptions", "QuantOptions", "InputStats", "LayerTask", "LayerResult",
            "magnitude_prune", "wanda_prune", "gptq_quantize"]

@@ -38,15 +38,49 @@ and ``W diag(s)`` is quantized (Sec. 3.2, Eq. 4-5). Steps, per decoder block
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from ..quantize import check_quant_args, fake_quantize, qparams, rtn_quantize
 from .base import LayerResult, LayerTask, Method, relative_error, single_thread
+from .config import QuantOptions
+from .registry import register_method
 
 _NO_CLIP = ("q_proj", "k_proj")
+
+
+@dataclass
+class AWQConfig(QuantOptions):
+    """AWQ settings (``bits``, ``group_size``, ``sym`` from :class:`QuantOptions`).
+
+    ``n_grid``: points of the scale search (and steps of the clipping search).
+    ``clip_search``: run step 3. ``duo_scaling`` (AutoAWQ / llm-compressor default) uses
+    ``s = mean|x|^a / mean|w|^(1-a)``; set it to ``False`` for the paper's ``s = mean|x|^a``.
+    ``max_shrink`` bounds the clipping search (clip ratios ``1, 1-1/n_grid, ...,
+    1-max_shrink``).
+
+    AWQ may precede another quantizer of the same layer (:attr:`may_precede_quantizer`):
+    it then only folds its scales and clips, and that stage produces the integer codes.
+    """
+
+    n_grid: int = 20
+    clip_search: bool = True
+    duo_scaling: bool = True
+    max_shrink: float = 0.5
+    method = "awq"
+    may_precede_quantizer = True
+
+    def validate(self) -> None:
+        """Raises :class:`ConfigError` on a bad grid or search setting."""
+        super().validate()
+        if self.n_grid < 1:
+            raise ConfigError(f"n_grid={self.n_grid} must be >= 1", "use 20")
+        if not 0 <= self.max_shrink < 1:
+            raise ConfigError(f"max_shrink={self.max_shrink} must be in [0, 1)", "use 0.5")
 
 
 def awq_scales(x_mean: torch.Tensor, w_mean: Optional[torch.Tensor], ratio: float,
@@ -182,11 +216,10 @@ def _clamp_to_clip(W: torch.Tensor, clip: torch.Tensor, gs: int, sym: bool) -> t
     return torch.maximum(torch.minimum(Wg, hi), lo).reshape(out, inp)
 
 
+@register_method(AWQConfig)
 class AWQ(Method):
-    """AWQ (:class:`~edgeprune.recipe.AWQConfig`); see the module docstring for the maths."""
+    """AWQ (:class:`AWQConfig`); see the module docstring for the maths."""
 
-    name = "awq"
-    kind = "quant"
     needs_hessian = True
 
     def compress_block(self, block: nn.Module, tasks: list[LayerTask]) -> dict[str, LayerResult]:

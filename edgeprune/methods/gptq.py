@@ -36,14 +36,44 @@ fallback is reported.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..quantize import QuantizedWeight, check_quant_args, qparams, rtn_quantize
-from .base import (LayerResult, LayerTask, Method, OBSSweep, damped_cholesky_inverse,
-                   damping_note, stacked_mask, usable_hessian,
-                   fix_dead_channels)
+from .base import LayerResult, LayerTask, Method
+from .config import QuantOptions, check_sweep
+from .obs import (OBSSweep, StackedGroup, damped_cholesky_inverse, damping_note, fix_dead_channels,
+                  split_rows, usable_hessian)
+from .registry import register_method
+
+
+@dataclass
+class GPTQConfig(QuantOptions):
+    """GPTQ settings (``bits``, ``group_size``, ``sym`` from :class:`QuantOptions`).
+
+    ``act_order`` / ``static_groups``: see the module docstring. ``damp_percent``: the
+    damping as a fraction of ``mean(diag(H))``. ``blocksize``: lazy-batch block width.
+
+    ``true_sequential`` (default on, the reference code's ``--true-sequential``): within a
+    block the linears are quantized in forward order, group by group (``[q,k,v]``, ``[o]``,
+    ``[gate,up]``, ``[down]``), each group's Hessian gathered from the outputs of the
+    already-quantized groups before it; off: every linear of the block from one pass over
+    the block's inputs (llm-compressor's behaviour).
+    """
+
+    act_order: bool = False
+    static_groups: bool = False
+    damp_percent: float = 0.01
+    blocksize: int = 128
+    true_sequential: bool = True
+    method = "gptq"
+
+    def validate(self) -> None:
+        """Raises :class:`ConfigError` on a bad grid, damping or block size."""
+        super().validate()
+        check_sweep(self, "damp_percent")
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 64,
@@ -152,45 +182,29 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
     return qw, info
 
 
-def split_rows(qw: QuantizedWeight, sizes: list[int]) -> list[QuantizedWeight]:
-    """Split a :class:`QuantizedWeight` of concatenated layers back into one per layer."""
-    outs, start = [], 0
-    for n in sizes:
-        sl = slice(start, start + n)
-        outs.append(QuantizedWeight(codes=qw.codes[sl].clone(), scales=qw.scales[sl].clone(),
-                                    zeros=qw.zeros[sl].clone(), bits=qw.bits, group_size=qw.group_size,
-                                    sym=qw.sym, g_idx=None if qw.g_idx is None else qw.g_idx.clone(),
-                                    meta=dict(qw.meta)))
-        start += n
-    return outs
-
-
+@register_method(GPTQConfig)
 class GPTQ(Method):
-    """GPTQ quantization (:class:`~edgeprune.recipe.GPTQConfig`).
+    """GPTQ quantization (:class:`GPTQConfig`).
 
     Layers that share one input (q/k/v_proj, gate/up_proj) share one Hessian; since
     GPTQ treats rows independently given ``H``, their rows are stacked and quantized in
-    one pass (same result as one pass per layer, fewer Python iterations).
+    one pass (:class:`~edgeprune.methods.obs.StackedGroup`).
     """
 
-    name = "gptq"
-    kind = "quant"
     needs_hessian = True
 
     def compress_group(self, tasks: list[LayerTask]) -> list[LayerResult]:
         c = self.config
-        stats = tasks[0].stats
-        names = ", ".join(t.name for t in tasks)
-        W = torch.cat([t.weight for t in tasks], 0)
-        mask = stacked_mask(tasks)
+        g = StackedGroup.of(tasks)
+        names, W = g.names, g.weight
         notes = []
         qw = None
-        if not usable_hessian(stats):
+        if not usable_hessian(g.stats):
             notes.append(f"{names}: no usable calibration activations -> RTN")
         else:
-            qw, info = gptq_quantize(W, stats.hessian, bits=c.bits, group_size=c.group_size, sym=c.sym,
+            qw, info = gptq_quantize(W, g.stats.hessian, bits=c.bits, group_size=c.group_size, sym=c.sym,
                                      act_order=c.act_order, static_groups=c.static_groups,
-                                     damp_percent=c.damp_percent, blocksize=c.blocksize, mask=mask,
+                                     damp_percent=c.damp_percent, blocksize=c.blocksize, mask=g.mask,
                                      name=tasks[0].name)
             note = damping_note(names, info["attempts"], qw is None, "RTN")
             if note:
@@ -208,7 +222,7 @@ class GPTQ(Method):
             if results:
                 results[0].notes = notes
             return results
-        for t, q in zip(tasks, split_rows(qw, [t.weight.shape[0] for t in tasks])):
+        for t, q in zip(tasks, split_rows(qw, g.sizes)):
             results.append(LayerResult(weight=q.dequantize().to(W.device), quantized=q))
         results[0].notes = notes
         return results

@@ -27,16 +27,55 @@ is pruned by magnitude (and RTN-quantized when ``bits`` is set); the fallback is
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..quantize import QuantizedWeight, check_quant_args, qparams, rtn_quantize
-from .base import (LayerResult, LayerTask, Method, OBSSweep, damped_cholesky_inverse,
-                   damping_note, stacked_mask, usable_hessian,
-                   fix_dead_channels, pattern_name)
-from .gptq import split_rows
+from .base import LayerResult, LayerTask, Method, pattern_name
+from .config import PruneOptions, check_bits, check_sweep
 from .magnitude import magnitude_prune
+from .obs import (OBSSweep, StackedGroup, damped_cholesky_inverse, damping_note, fix_dead_channels,
+                  split_rows, usable_hessian)
+from .registry import register_method
+
+
+@dataclass
+class SparseGPTConfig(PruneOptions):
+    """SparseGPT settings (``sparsity``, ``prune_n``, ``prune_m`` from :class:`PruneOptions`).
+
+    ``blocksize``: columns per mask-selection / lazy-update block. ``percdamp``: damping as
+    a fraction of ``mean(diag(H))``. ``bits`` (``None``: no quantization), ``group_size``,
+    ``sym``: the grid of the joint quantization (Sec. 3.5); the stage then also quantizes
+    (:attr:`quantizes`).
+
+    ``true_sequential`` (default on): within a block the linears are pruned in forward
+    order, group by group (``[q,k,v]``, ``[o]``, ``[gate,up]``, ``[down]``), each group's
+    Hessian gathered from the outputs of the already-pruned groups before it (as GPTQ's
+    reference code does); off: every linear of the block from one pass of dense inputs
+    (the SparseGPT reference code and llm-compressor).
+    """
+
+    blocksize: int = 128
+    percdamp: float = 0.01
+    bits: Optional[int] = None
+    group_size: int = 64
+    sym: bool = False
+    true_sequential: bool = True
+    method = "sparsegpt"
+
+    def validate(self) -> None:
+        """Raises :class:`ConfigError` on bad sparsity, damping, block size or grid."""
+        super().validate()
+        check_sweep(self, "percdamp")
+        if self.bits is not None:
+            check_bits(self.bits, self.group_size, self.sym)
+
+    @property
+    def quantizes(self) -> bool:
+        """Joint quantization: only with ``bits`` set."""
+        return self.bits is not None
 
 
 def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, *, sparsity: float = 0.5, prune_n: int = 0,
@@ -143,34 +182,30 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, *, sparsity: float = 0.5, 
     return W, keep, qw, info
 
 
+@register_method(SparseGPTConfig)
 class SparseGPT(Method):
-    """SparseGPT pruning, optionally with joint quantization (:class:`~edgeprune.recipe.SparseGPTConfig`).
+    """SparseGPT pruning, optionally with joint quantization (:class:`SparseGPTConfig`).
 
     Layers sharing one input (q/k/v, gate/up) are stacked and processed in one pass with
     per-layer mask counts (identical to one pass per layer).
     """
 
-    name = "sparsegpt"
-    kind = "prune"
     needs_hessian = True
 
     def compress_group(self, tasks: list[LayerTask]) -> list[LayerResult]:
         c = self.config
-        stats = tasks[0].stats
-        names = ", ".join(t.name for t in tasks)
-        sizes = [t.weight.shape[0] for t in tasks]
-        W = torch.cat([t.weight for t in tasks], 0)
-        mask = stacked_mask(tasks)
+        g = StackedGroup.of(tasks)
+        names, sizes = g.names, g.sizes
         pat = pattern_name(c)
         res = None
         notes = []
-        if not usable_hessian(stats):
+        if not usable_hessian(g.stats):
             notes.append(f"{names}: no usable calibration activations -> magnitude"
                          + (" + RTN" if c.bits else ""))
         else:
-            res = sparsegpt_prune(W, stats.hessian, sparsity=c.sparsity, prune_n=c.prune_n,
+            res = sparsegpt_prune(g.weight, g.stats.hessian, sparsity=c.sparsity, prune_n=c.prune_n,
                                   prune_m=c.prune_m, blocksize=c.blocksize, percdamp=c.percdamp,
-                                  bits=c.bits, group_size=c.group_size, sym=c.sym, mask=mask,
+                                  bits=c.bits, group_size=c.group_size, sym=c.sym, mask=g.mask,
                                   row_splits=sizes, name=tasks[0].name)
             note = damping_note(names, 4 if res is None else res[3]["attempts"], res is None,
                                 "magnitude" + (" + RTN" if c.bits else ""))

@@ -15,9 +15,20 @@ magnitude within rows, and the layer is reported.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .base import LayerResult, LayerTask, Method, keep_mask_from_score, pattern_name
+from .config import PruneOptions
+from .registry import register_method
+
+
+@dataclass
+class WandaConfig(PruneOptions):
+    """Wanda (Sun et al. 2024): prune by ``|W_ij| * ||X_j||_2`` within each output row."""
+
+    method = "wanda"
 
 
 def wanda_prune(w: torch.Tensor, act_norm: torch.Tensor, sparsity: float = 0.5,
@@ -39,11 +50,9 @@ def wanda_prune(w: torch.Tensor, act_norm: torch.Tensor, sparsity: float = 0.5,
     return keep_mask_from_score(score, sparsity, prune_n, prune_m, mask, per_row=True)
 
 
+@register_method(WandaConfig)
 class Wanda(Method):
-    """Wanda pruning (:class:`~edgeprune.recipe.WandaConfig`)."""
-
-    name = "wanda"
-    kind = "prune"
+    """Wanda pruning (:class:`WandaConfig`)."""
 
     def compress_layer(self, task: LayerTask) -> LayerResult:
         c = self.config

@@ -18,7 +18,7 @@ SHAPES = {"self_attn.q_proj": (576, 576), "self_attn.k_proj": (192, 576), "self_
 
 def _final_quant_stage(recipe, name):
     """The last quantization stage that selects ``name`` (the one producing the codes)."""
-    hit = [s for s in recipe.stages if s.kind == "quant" and s.selects(name)]
+    hit = [s for s in recipe.stages if s.quantizes and s.selects(name)]
     return hit[-1] if hit else None
 
 

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from edgeprune.engine import (CompressionResult, _capture_block_inputs, _run_block, _StatsCollector,
-                              check_recipe, compress, find_decoder_blocks)
+from edgeprune.blocks import StatsCollector, capture_block_inputs, run_block
+from edgeprune.engine import CompressionResult, check_recipe, compress, find_decoder_blocks
 from edgeprune.errors import CalibrationError, ConfigError
 from edgeprune.methods.wanda import wanda_prune
 from edgeprune.recipe import (AWQConfig, GPTQConfig, MagnitudeConfig, Recipe, RTNConfig, SparseGPTConfig,
@@ -37,11 +37,11 @@ def test_capture_and_replay_reproduce_logits(request, fixture):
         ref = model(ids).logits
         prefix, blocks = find_decoder_blocks(model)
         assert prefix == "model.layers" and len(blocks) == 2
-        batches = _capture_block_inputs(model, blocks, ids, None, 3, CPU)
+        batches = capture_block_inputs(model, blocks, ids, None, 3, CPU)
         assert [b[0].shape[0] for b in batches] == [3, 1]
         assert "position_embeddings" in batches[0][1]
         for blk in blocks:
-            _run_block(blk, batches)
+            run_block(blk, batches)
         h = torch.cat([b[0] for b in batches])
         logits = model.lm_head(model.model.norm(h))
     assert torch.allclose(logits, ref, atol=1e-5)
@@ -98,13 +98,13 @@ def test_padded_batched_equals_unpadded(tiny_llama, side):
         out = []
         with torch.no_grad():
             for blk in blocks:
-                out.append(_StatsCollector({n: blk.get_submodule(n) for n in names}, True, CPU).run(blk, batches))
-                _run_block(blk, batches)
+                out.append(StatsCollector({n: blk.get_submodule(n) for n in names}, True, CPU).run(blk, batches))
+                run_block(blk, batches)
         return out
 
     with torch.no_grad():
-        bp = _capture_block_inputs(tiny_llama, blocks, padded, mask, 3, CPU)
-        bu = sum((_capture_block_inputs(tiny_llama, blocks, ids[i:i + 1], None, 1, CPU) for i in range(3)), [])
+        bp = capture_block_inputs(tiny_llama, blocks, padded, mask, 3, CPU)
+        bu = sum((capture_block_inputs(tiny_llama, blocks, ids[i:i + 1], None, 1, CPU) for i in range(3)), [])
     sp, su = stats(bp), stats(bu)
     for a, b in zip(sp, su):
         for n in names:
@@ -274,21 +274,21 @@ def test_data_free_recipe_runs_no_forward(tiny_llama, monkeypatch):
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
-def test_true_sequential_groups_and_hessians(request, fixture, monkeypatch):
+def test_truesequential_groups_and_hessians(request, fixture, monkeypatch):
     """``true_sequential``: q/k/v, o, gate/up, down are quantized in that order, and each
     group's Hessian comes from the already-quantized groups before it (block 0's o_proj
     Hessian equals X^T X of o_proj's inputs in the *compressed* block); with it off, every
     Hessian comes from the dense block."""
-    from edgeprune.engine import _sequential_groups
+    from edgeprune.blocks import sequential_groups
     from edgeprune.methods.gptq import GPTQ
 
     model = request.getfixturevalue(fixture)
     ids = _ids(n=4, s=24)
     prefix, blocks = find_decoder_blocks(model)
-    batches = _capture_block_inputs(model, blocks, ids, None, 2, CPU)
+    batches = capture_block_inputs(model, blocks, ids, None, 2, CPU)
     mods = {f"{prefix}.0.{n}": m for n, m in blocks[0].named_modules() if isinstance(m, torch.nn.Linear)}
     sfx = tuple(n.split(".", 3)[-1] for n in mods)
-    assert _sequential_groups(blocks[0], mods, batches[0], sfx) == [
+    assert sequential_groups(blocks[0], mods, batches[0], sfx) == [
         ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
         ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
 
@@ -311,7 +311,7 @@ def test_true_sequential_groups_and_hessians(request, fixture, monkeypatch):
         h = m.get_submodule(name).register_forward_pre_hook(lambda mod, inp: xs.append(inp[0].reshape(-1, inp[0].shape[-1])))
         with torch.no_grad():
             _, blks = find_decoder_blocks(m)
-            for b in _capture_block_inputs(m, blks, ids, None, 2, CPU):
+            for b in capture_block_inputs(m, blks, ids, None, 2, CPU):
                 blks[0](b[0], **b[1])
         h.remove()
         X = torch.cat(xs).float()

@@ -13,8 +13,8 @@ import pytest
 from edgeprune.engine import compress
 from edgeprune.errors import ConfigError
 from edgeprune.methods.awq import awq_scales, search_scale
-from edgeprune.methods.base import (InputStats, LayerTask, relative_error, row_keep_mask,
-                                    nm_keep_mask, damped_cholesky_inverse)
+from edgeprune.methods.base import InputStats, LayerTask, relative_error, row_keep_mask, nm_keep_mask
+from edgeprune.methods.obs import damped_cholesky_inverse
 from edgeprune.methods.gptq import gptq_quantize
 from edgeprune.methods.magnitude import magnitude_prune
 from edgeprune.methods.sparsegpt import sparsegpt_prune
@@ -260,15 +260,15 @@ def test_awq_then_gptq(tiny_qwen2):
 # ----------------------------------------------------------------------------- AWQ
 
 def _block_stats(block, batches, names):
-    from edgeprune.engine import _StatsCollector
+    from edgeprune.blocks import StatsCollector
     mods = {n: block.get_submodule(n) for n in names}
-    return _StatsCollector(mods, True, "cpu").run(block, batches)
+    return StatsCollector(mods, True, "cpu").run(block, batches)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
 def test_awq_folding_is_exact(request, fixture):
     """Scales folded into norms / v_proj / up_proj leave the block output unchanged (1e-5)."""
-    from edgeprune.engine import _capture_block_inputs
+    from edgeprune.blocks import capture_block_inputs
     from edgeprune.methods.awq import AWQ
 
     model = request.getfixturevalue(fixture)
@@ -276,7 +276,7 @@ def test_awq_folding_is_exact(request, fixture):
         for blk in model.model.layers:  # make the scales far from 1
             blk.input_layernorm.weight[:5] *= 10
             blk.post_attention_layernorm.weight[-5:] *= 10
-        batches = _capture_block_inputs(model, model.model.layers, _calib(), None, 8, torch.device("cpu"))
+        batches = capture_block_inputs(model, model.model.layers, _calib(), None, 8, torch.device("cpu"))
         block = model.model.layers[0]
         ref = block(batches[0][0], **batches[0][1])
         names = [n for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)]
@@ -326,11 +326,11 @@ def test_awq_never_scales_part_of_a_norms_readers(tiny_llama, cfg, untouched):
 def test_awq_nan_inf_scales_replaced_and_reported(tiny_llama):
     s, bad = awq_scales(torch.tensor([1.0, float("nan"), float("inf"), 4.0]), None, 0.5, duo_scaling=False)
     assert bad == 2 and torch.isfinite(s).all() and s[1] == 1 and s[2] == 1
-    from edgeprune.engine import _capture_block_inputs
+    from edgeprune.blocks import capture_block_inputs
     from edgeprune.methods.awq import AWQ
 
     model = tiny_llama
-    batches = _capture_block_inputs(model, model.model.layers, _calib(), None, 8, torch.device("cpu"))
+    batches = capture_block_inputs(model, model.model.layers, _calib(), None, 8, torch.device("cpu"))
     block = model.model.layers[0]
     names = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
     with torch.no_grad():
@@ -520,7 +520,7 @@ def test_error_tokens_cap_at_a_batch_boundary():
 def test_finite_fp16_massive_activations_are_kept():
     """A finite fp16 token whose row sum overflows (> 65504) stays in the statistics (it
     was excluded as NaN/inf)."""
-    from edgeprune.engine import _StatsCollector
+    from edgeprune.blocks import StatsCollector
     lin = torch.nn.Linear(128, 8, bias=False).half()
 
     class Blk(torch.nn.Module):
@@ -534,5 +534,5 @@ def test_finite_fp16_massive_activations_are_kept():
     x[0, 3] = 600.0
     x[0, 5, 0] = float("inf")
     blk = Blk()
-    st = _StatsCollector({"lin": lin}, True, "cpu").run(blk, [[x, {}, torch.ones(1, 16, dtype=torch.bool)]])["lin"]
+    st = StatsCollector({"lin": lin}, True, "cpu").run(blk, [[x, {}, torch.ones(1, 16, dtype=torch.bool)]])["lin"]
     assert (st.n_tokens, st.n_excluded) == (15, 1)
