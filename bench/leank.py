@@ -158,7 +158,7 @@ def _onnx_ppl(model, tok, mask, seqlen, nwindows, sink, window, threads):
     with tempfile.TemporaryDirectory(prefix="leank-ppl-") as td:
         m = mask if mask is not None else LeanKMask.full(L, KV, D)
         exporters.export_onnx(model, tok, Path(td) / "m", precision="fp32", graph="fused",
-                              leank=m, leank_sink=sink, leank_window=window,
+                              variants=[("leank", {**m.to_dict(), "sink": sink, "window": window})],
                               max_length=seqlen, validate=False)
         sess = runtime.load(Path(td) / "m", threads=threads, max_length=seqlen)
         try:
@@ -250,7 +250,8 @@ def _export_matches(folder: Path, mask, args) -> bool:
     """Whether a cached LeanK export holds ``mask`` (keep1.0: the full mask) with this
     sink / window (a mask re-learned with another recipe must be re-exported)."""
     try:
-        lk = json.loads((folder / "edgeprune.json").read_text()).get("leank") or {}
+        meta = json.loads((folder / "edgeprune.json").read_text())
+        lk = (meta.get("variants") or {}).get("leank") or meta.get("leank") or {}
     except (OSError, ValueError):
         return False
     if (lk.get("sink"), lk.get("window")) != (args.sink, args.window):
@@ -286,8 +287,9 @@ def runtime_records(model, tok, masks, order, by_name, args, rec) -> list:
             if not cached:
                 kw = {"graph": "plain" if name == "dense-plain" else "fused"}
                 if not name.startswith("dense"):
-                    kw = dict(leank=mask if mask is not None else LeanKMask.full(L, KV, D),
-                              leank_sink=args.sink, leank_window=args.window)
+                    m = mask if mask is not None else LeanKMask.full(L, KV, D)
+                    kw = dict(variants=[("leank", {**m.to_dict(), "sink": args.sink,
+                                                   "window": args.window})])
                 t0 = time.time()
                 r = exporters.export_onnx(model, tok, folder, precision=precision,
                                           max_length=ctx + 64, overwrite=True, **kw)
