@@ -154,11 +154,17 @@ def save_spec(spec: VariantSpec, path) -> Path:
     return atomic_write(path, json.dumps({NAME_KEY: spec.name, **d}))
 
 
+def _is_safetensors(path: Path) -> bool:
+    """A safetensors file: an 8-byte little-endian header length, then a JSON header."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and head[8:] == b"{" and \
+        int.from_bytes(head[:8], "little") + 8 <= path.stat().st_size
+
+
 def _read(path: Path) -> tuple[Optional[str], Any, dict]:
     """``(variant name or None, spec dict or None, arrays)`` of a spec file."""
-    with open(path, "rb") as f:
-        head = f.read(1)
-    if head == b"{":
+    if not _is_safetensors(path):
         d = json.loads(path.read_text())
         if not isinstance(d, dict):
             return None, None, {}

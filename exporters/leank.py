@@ -126,10 +126,13 @@ class LeanKMixin(VariantMixin):
         return keep, scales, widths, alive
 
     def key_head_dim(self, i: int) -> int:
+        """Width of layer ``i``'s middle key cache: its KV heads' kept channels, summed."""
         return int(sum(len(h) for h in self.leank_mask["keep"][i]))
 
     # ------------------------------------------------------------------- I/O
     def build_inputs(self):
+        """``input_ids``, ``num_logits_to_keep`` and the four caches of each layer (no
+        positions or mask: they are derived from the cache lengths)."""
         g, s = self.g, self.spec
         g.input("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"])
         g.input("num_logits_to_keep", TensorProto.INT64, [])
@@ -147,6 +150,7 @@ class LeanKMixin(VariantMixin):
         self._lk = None
 
     def io_metadata(self) -> dict:
+        """The LeanK cache layout for ``edgeprune.json``'s ``kv_layout``."""
         s = self.spec
         return {
             "buffer": "leank: pruned middle (concat) + full sink/window caches; see leank.layout",
@@ -231,6 +235,7 @@ class LeanKMixin(VariantMixin):
 
     # ------------------------------------------------------------ attention
     def build_attention(self, i: int, layer, h: str) -> str:
+        """Projections (fused or not, as the base graph) around :meth:`leank_attention`."""
         g, s = self.g, self.spec
         pre = f"model.layers.{i}.self_attn"
         name = f"layers.{i}.attn"
@@ -247,6 +252,8 @@ class LeanKMixin(VariantMixin):
         return self.linear(attn, [f"{pre}.o_proj"], name + ".o_proj")
 
     def leank_attention(self, i: int, q: str, k: str, v: str, name: str) -> str:
+        """Layer ``i``'s attention on ``q/k/v [B, S, heads*D]`` with the pruned middle and
+        full sink/window caches (module docstring) -> ``[B, S, N*D]``."""
         g, s = self.g, self.spec
         P = self._lk_positions()
         N, KV, D = s.num_heads, s.num_kv_heads, s.head_dim

@@ -128,10 +128,11 @@ class CountdownSpec(VariantSpec):
     @classmethod
     def read_legacy(cls, path: Path) -> Optional["CountdownSpec"]:
         """A spec folder written by ``CountdownSpec.save`` before the variant registry
-        (``countdown.json`` + ``countdown.safetensors``) or its ``countdown.json``, else
+        (``countdown.json`` + ``countdown.safetensors``) or one of its two files, else
         ``None``."""
         folder = path if path.is_dir() else path.parent
-        if not (folder / "countdown.json").is_file() or (path.is_file() and path.name != "countdown.json"):
+        if not (folder / "countdown.json").is_file() or \
+                (path.is_file() and path.name not in ("countdown.json", "countdown.safetensors")):
             return None
         try:
             d = json.loads((folder / "countdown.json").read_text())

@@ -64,7 +64,7 @@ def test_spec_files_json_safetensors_and_the_files_written_before(tiny_llama, tm
                for k, v in p_.items()}, str(folder / "countdown.safetensors"))
     (folder / "countdown.json").write_text(json.dumps(
         {k: v for k, v in spec.to_dict().items() if k != "graph_mode"}))
-    for path in (folder, folder / "countdown.json"):
+    for path in (folder, folder / "countdown.json", folder / "countdown.safetensors"):
         legacy = load_spec(path)
         assert legacy.thresholds == spec.thresholds and legacy.graph_mode == "if"
         assert torch.equal(legacy.predictors[0]["gate_codes"], spec.predictors[0]["gate_codes"])
