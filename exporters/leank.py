@@ -118,7 +118,6 @@ class LeanKMixin(VariantMixin):
 
     # -------------------------------------------------------------- geometry
     def _lk_layer(self, i):
-        s = self.spec
         keep = self.leank_mask["keep"][i]
         scales = self.leank_mask["scales"][i]
         widths = [len(h) for h in keep]

@@ -41,7 +41,6 @@ def predictor_bytes(pred: dict) -> int:
     return sum(pred[k].numel() * 4 for k in ("v_gate", "u_gate", "v_up", "u_up"))
 
 
-
 @torch.no_grad()
 def collect_mlp_inputs(model, calib_ids: torch.Tensor, max_tokens: int = 8192,
                        seed: int = 0, return_resid: bool = False):
@@ -183,7 +182,6 @@ def train_predictor(mlp, X: torch.Tensor, pred: dict, *, epochs: int, weight=Non
     return {k: t.detach().contiguous() for k, t in zip(keys, ps)}
 
 
-
 def _greedy_allocation(acc: dict, grid: list, target: float, L: int) -> list:
     """Per-layer sparsities on ``grid`` with mean ``target``: repeatedly raise the layer
     whose relative output error grows least (``acc[level]["err"][layer]``)."""
@@ -206,7 +204,6 @@ def _greedy_allocation(acc: dict, grid: list, target: float, L: int) -> list:
             break
         lvl[bi] += 1
     return [grid[j] for j in lvl]
-
 
 
 @torch.no_grad()
@@ -370,7 +367,6 @@ def calibrate_fields(model, calib_ids: torch.Tensor, sparsities, mode: str = "m"
                         rank=rank if mode == "d" and predictor == "lowrank" else None,
                         predictors=preds or None, activation=act_name, stats=stats))
     return out
-
 
 
 __all__ = ["calibrate_fields", "q4_predictor", "predictor_bytes", "collect_mlp_inputs",

@@ -89,5 +89,4 @@ def evaluate_many(model, tokenizer, specs, text=None, *, seqlen: int = 512,
     return out
 
 
-
 __all__ = ["evaluate", "evaluate_many"]

@@ -162,7 +162,6 @@ class CountdownSpec(VariantSpec):
         return apply_reference(model, self)
 
 
-
 @torch.no_grad()
 def calibrate(model, calib_ids: torch.Tensor, act_sparsity: float, mode: str = "m", *,
               rank: int = DEFAULT_RANK, max_tokens: int = 8192, seed: int = 0,

@@ -57,6 +57,5 @@ def kv_geometry(model) -> tuple[int, int, int, int]:
     return cfg.num_hidden_layers, n, getattr(cfg, "num_key_value_heads", None) or n, d
 
 
-
 __all__ = ["check_leank_args", "kv_geometry", "DEFAULT_SINK", "DEFAULT_WINDOW",
            "DEFAULT_ALIGNMENT", "DEFAULT_CALIB_NSAMPLES", "DEFAULT_CALIB_SEQLEN"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from typing import Optional
 
 import torch
 
