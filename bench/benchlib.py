@@ -398,21 +398,6 @@ def model_work(folder) -> dict:
     return _model_work(folder)
 
 
-def export_leank(model, tok, out_dir, mask, *, sink: int, window: int, **kwargs):
-    """``exporters.export_onnx`` of a LeanK graph keeping ``mask``'s key channels."""
-    import exporters
-
-    return exporters.export_onnx(model, tok, out_dir, leank=mask, leank_sink=sink,
-                                 leank_window=window, **kwargs)
-
-
-def export_countdown(model, tok, out_dir, spec, **kwargs):
-    """An export with COUNTDOWN MLPs (``graph_mode``, ``precision``... as the exporter)."""
-    from exporters.countdown import export_countdown as _export
-
-    return _export(model, tok, out_dir, spec, **kwargs)
-
-
 def load_countdown(folder, threads: int):
     """A COUNTDOWN session of an export (``mlp_read_report()`` included)."""
     import runtime.countdown

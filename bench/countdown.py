@@ -133,7 +133,6 @@ def main(argv=None):
     from edgeprune.evaluate import fidelity
     from edgeprune.models import load_model
     from exporters import export_onnx
-    export_countdown = benchlib.export_countdown
 
     records: list = []
     t_all = time.time()
@@ -153,10 +152,12 @@ def main(argv=None):
         for alloc in allocs:
             sfx = "" if alloc == "uniform" else "-greedy"
             want = ([0.0] if alloc == "uniform" else []) + sps
-            if cache is not None and all((cache / key / f"{mode}-{s:g}{sfx}" / "countdown.json").exists()
-                                         for s in want):
+            # a spec file, or a spec folder cached before the variant registry
+            cached = lambda s: next((p for p in (cache / key / f"{mode}-{s:g}{sfx}.safetensors",  # noqa: E731
+                                                 cache / key / f"{mode}-{s:g}{sfx}") if p.exists()), None)
+            if cache is not None and all(cached(s) for s in want):
                 for s in want:
-                    specs[f"{mode}-{s:g}{sfx}"] = CountdownSpec.load(cache / key / f"{mode}-{s:g}{sfx}")
+                    specs[f"{mode}-{s:g}{sfx}"] = CountdownSpec.load(cached(s))
                 log(f"loaded {mode} ({alloc}) specs from {cache / key}")
                 continue
             t0 = time.time()
@@ -167,7 +168,7 @@ def main(argv=None):
             for s, sp in zip(want, got):
                 specs[f"{mode}-{s:g}{sfx}"] = sp
                 if cache is not None:
-                    sp.save(cache / key / f"{mode}-{s:g}{sfx}")
+                    sp.save(cache / key / f"{mode}-{s:g}{sfx}.safetensors")
             log(f"calibrated {mode} ({alloc}) in {time.time() - t0:.0f}s")
     for name, sp in specs.items():
         st = sp.stats
@@ -224,8 +225,8 @@ def main(argv=None):
         for n in case_names:
             d = wd / f"{n}-{precision}"
             t0 = time.time()
-            export_countdown(model, tok, d, specs[n], graph_mode="if", precision=precision,
-                             max_length=1024, validate=False, overwrite=True)
+            export_onnx(model, tok, d, variants=[(specs[n], {"graph_mode": "if"})],
+                        precision=precision, max_length=1024, validate=False, overwrite=True)
             log(f"exported {n} {precision} in {time.time() - t0:.0f}s")
             for t in threads:
                 run_c, sess_c = _decode_speed(d, t, prompt, a.new_tokens, countdown_session=True)
@@ -266,8 +267,8 @@ def main(argv=None):
         if "d-0.7" in specs:
             d_if = wd / "d-0.7-fp32"
             d_sp = wd / "d-0.7-sparse-fp32"
-            export_countdown(model, tok, d_sp, specs["d-0.7"], graph_mode="sparse",
-                             precision="fp32", max_length=1024, validate=False, overwrite=True)
+            export_onnx(model, tok, d_sp, variants=[(specs["d-0.7"], {"graph_mode": "sparse"})],
+                        precision="fp32", max_length=1024, validate=False, overwrite=True)
             long_prompt = (prompt * 8)[:256]
             for t in threads:
                 ri, si = _decode_speed(d_if, t, long_prompt, 16)
@@ -307,9 +308,8 @@ def main(argv=None):
             fd, sd = _onnx_logits(dq, max(threads))
             for n in i4:
                 d = wd / f"{n}-sparse-int4"
-                export_countdown(model, tok, d, specs[n], graph_mode="sparse",
-                                 precision="int4", max_length=1024, validate=False,
-                                 overwrite=True)
+                export_onnx(model, tok, d, variants=[(specs[n], {"graph_mode": "sparse"})],
+                            precision="int4", max_length=1024, validate=False, overwrite=True)
                 fm, sm = _onnx_logits(d, max(threads))
                 t0 = time.time()
                 nq = max(2, nwin // 8) if not quick else 2

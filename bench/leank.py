@@ -153,14 +153,16 @@ def _onnx_ppl(model, tok, mask, seqlen, nwindows, sink, window, threads):
     faster on CPU at 2,048-token windows."""
     import tempfile
 
+    import exporters
     import runtime
     from edgeprune.evaluate import perplexity
     from edgeprune.leank import LeanKMask, kv_geometry
     L, N, KV, D = kv_geometry(model)
     with tempfile.TemporaryDirectory(prefix="leank-ppl-") as td:
         m = mask if mask is not None else LeanKMask.full(L, KV, D)
-        benchlib.export_leank(model, tok, Path(td) / "m", m, sink=sink, window=window,
-                              precision="fp32", graph="fused", max_length=seqlen, validate=False)
+        exporters.export_onnx(model, tok, Path(td) / "m", precision="fp32", graph="fused",
+                              variants=[("leank", {**m.to_dict(), "sink": sink, "window": window})],
+                              max_length=seqlen, validate=False)
         sess = runtime.load(Path(td) / "m", threads=threads, max_length=seqlen)
         try:
             fn = lambda ids: torch.from_numpy(sess.logits(ids.numpy()))  # noqa: E731
@@ -287,15 +289,14 @@ def runtime_records(model, tok, masks, order, by_name, args, rec) -> list:
             cached = folder.exists() and not args.fresh and (
                 name.startswith("dense") or _export_matches(folder, mask, args))
             if not cached:
-                kw = dict(precision=precision, max_length=ctx + 64, overwrite=True)
+                kw = {"graph": "plain" if name == "dense-plain" else "fused"}
+                if not name.startswith("dense"):
+                    m = mask if mask is not None else LeanKMask.full(L, KV, D)
+                    kw = dict(variants=[("leank", {**m.to_dict(), "sink": args.sink,
+                                                   "window": args.window})])
                 t0 = time.time()
-                if name.startswith("dense"):
-                    r = exporters.export_onnx(model, tok, folder, **kw,
-                                              graph="plain" if name == "dense-plain" else "fused")
-                else:
-                    r = benchlib.export_leank(model, tok, folder,
-                                              mask if mask is not None else LeanKMask.full(L, KV, D),
-                                              sink=args.sink, window=args.window, **kw)
+                r = exporters.export_onnx(model, tok, folder, precision=precision,
+                                          max_length=ctx + 64, overwrite=True, **kw)
                 _log(f"exported {folder.name} in {time.time() - t0:.0f}s: "
                      f"parity {r.parity.get('max_abs_logit_diff')}")
             sess = runtime.load(folder, threads=args.threads, max_length=ctx + 64)

@@ -2,9 +2,12 @@
 
 One :class:`DecoderBuilder` writes the whole graph (embedding, layers, final norm,
 ``lm_head``); architectures subclass it and override only what differs
-(:class:`LlamaBuilder`, :class:`Qwen2Builder` adds q/k/v biases). Each layer is
-``build_attention(i, layer, h)`` + ``build_mlp(i, layer, h)`` so extensions (LeanK key
-channel pruning, COUNTDOWN sparse MLP) can override one block.
+(:class:`LlamaBuilder`, :class:`Qwen2Builder` adds q/k/v biases). Graph variants are
+builder mixins (``exporters.variants``) that override the public hooks listed in
+:class:`DecoderBuilder`'s docstring (the way onnxruntime-genai's builders subclass a base
+``Model`` and override ``make_attention`` / ``make_mlp``): LeanK key channel pruning
+(``build_inputs``, ``key_head_dim``, ``build_attention``...), COUNTDOWN sparse MLP
+(``build_mlp``, ``build_extra_outputs``), compact 2:4 (``float_matmul``).
 
 Two graph kinds share every block except attention and normalization:
 
@@ -26,6 +29,7 @@ Output ``logits float32 [B, num_logits_to_keep, vocab]`` (the last positions).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -36,8 +40,8 @@ from onnx import TensorProto
 from runtime.errors import ExportError, UnsupportedArchitectureError
 
 from .graph import MS_DOMAIN, GraphBuilder, onnx_dtype
-from .int4 import (IntWeight, can_fuse, concat_n, default_zero_points, from_quantized, q8_head_block,
-                   pack_matmulnbits, rtn_int)
+from .int4 import (DEFAULT_GROUP_SIZE, IntWeight, can_fuse, concat_n, default_zero_points,
+                   from_quantized, pack_matmulnbits, pack_uint4, q8_head_block, rtn_int)
 
 
 def _t2np(t) -> np.ndarray:
@@ -159,26 +163,45 @@ class BuildOptions:
 
     precision: str = "fp32"            # fp32 | fp16 | int4
     graph: str = "fused"               # fused | plain
-    lm_head: str = "fp"                # fp | q8 | int4
+    lm_head: Optional[str] = None      # fp | q8 | int4; None: the builder's default_lm_head()
     accuracy_level: int = 4
     # per-linear overrides: {"down_proj": 0} = MatMulNBits nodes whose name ends with it
     accuracy_levels: dict = field(default_factory=dict)
     max_length: int = 2048
-    group_size: int = 32               # RTN group size when int4 without `quantized`
+    group_size: int = DEFAULT_GROUP_SIZE   # RTN group size when int4 without `quantized`
     quantized: dict = field(default_factory=dict)
-    compact_24: bool = False
+    #: ``{variant name: spec dict}`` read by the variant mixins (``exporters.variants``)
+    variants: dict = field(default_factory=dict)
 
 
 class DecoderBuilder:
     """Builds the ONNX decoder graph of one model (base: llama-style blocks).
 
+    Hooks a variant mixin (``exporters.variants``) may override, each calling ``super()``
+    for what it does not change:
+
+    * graph: ``build_inputs()``, ``key_head_dim(i)``, ``build_attention(i, layer, h)``,
+      ``build_mlp(i, layer, h)``, ``build_lm_head(h)`` (returns the logits tensor before
+      it is named the output), ``build_extra_outputs()`` (outputs after ``logits``),
+      ``float_matmul(x, W, name, module_names)`` (how a float linear is stored);
+    * export: ``default_lm_head()``, ``io_metadata()`` (``kv_layout`` of
+      ``edgeprune.json``), ``shares_kv_buffer`` (``genai_config.json``),
+      ``parity_tokens(n)`` (the validation window), and the attributes
+      ``logits_match_model`` (the logits stand for the given torch model; validation
+      checks them), ``approximate_logits`` (they match it only up to rounding) and
+      ``sparsity_info`` (the ``sparsity`` record of a verified pattern).
+
     Args:
         model: HF causal LM (weights already the dense equivalent of the checkpoint).
         spec: :class:`DecoderSpec` of ``model``.
-        opts: :class:`BuildOptions`.
+        opts: :class:`BuildOptions` (``lm_head=None`` is set to :meth:`default_lm_head`).
+
+    Raises:
+        ExportError: unknown graph, precision or lm_head.
     """
 
     qkv_bias = False
+    logits_match_model = True
 
     def __init__(self, model, spec: DecoderSpec, opts: BuildOptions):
         if opts.graph not in ("fused", "plain"):
@@ -189,6 +212,12 @@ class DecoderBuilder:
         self.model = model
         self.spec = spec
         self.opts = opts
+        if opts.lm_head is None:
+            opts.lm_head = self.default_lm_head()
+        if opts.lm_head not in ("fp", "q8", "int4"):
+            raise ExportError(f"lm_head='{opts.lm_head}' is unknown", "use fp, q8 or int4")
+        self.approximate_logits = opts.precision == "fp16"
+        self.sparsity_info: Optional[dict] = None
         self.fdtype = np.float16 if opts.precision == "fp16" else np.float32
         self.ftype = onnx_dtype(self.fdtype)
         self.g = GraphBuilder("decoder", self.fdtype)
@@ -197,9 +226,25 @@ class DecoderBuilder:
         self.quant_summary: dict[str, str] = {}
         self._perm_cache: dict[tuple, str] = {}
         self._rope = None
-        self.compact_24_layers: list[str] = []
         self.int_weights: dict[str, IntWeight] = {}
         self.accuracy_names: set[str] = set()     # MatMulNBits nodes built (override check)
+
+    # --------------------------------------------------------------- export
+    def default_lm_head(self) -> str:
+        """The ``lm_head`` mode when the export does not name one: ``q8`` for int4
+        exports (small-model quality at 8-bit cost), ``fp`` otherwise."""
+        return "q8" if self.opts.precision == "int4" else "fp"
+
+    @property
+    def shares_kv_buffer(self) -> bool:
+        """Whether ``past_key_values.*`` and ``present.*`` share one buffer
+        (``genai_config.json``'s ``past_present_share_buffer``)."""
+        return self.fused
+
+    def parity_tokens(self, tokens: int) -> int:
+        """Window length of the export's parity check, given the requested ``tokens``
+        (a variant whose graph equals the model only on a prefix shortens it)."""
+        return tokens
 
     # ------------------------------------------------------------------ I/O
     def kv_names(self, i: int) -> tuple[str, str, str, str]:
@@ -212,6 +257,7 @@ class DecoderBuilder:
         return self.spec.head_dim
 
     def build_inputs(self):
+        """Declare the graph inputs (ids, positions, the per-layer KV cache)."""
         g, s = self.g, self.spec
         g.input("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"])
         if self.fused:
@@ -254,6 +300,7 @@ class DecoderBuilder:
 
     # -------------------------------------------------------------- weights
     def param(self, name: str) -> np.ndarray:
+        """Parameter ``name`` of the model as ``float32`` numpy."""
         return _t2np(self.model.get_parameter(name))
 
     def weight_int(self, module_name: str) -> Optional[IntWeight]:
@@ -299,12 +346,12 @@ class DecoderBuilder:
                       for m, w in zip(module_names, ints)]
         out = None
         if all(w is not None for w in ints) and can_fuse(ints) and len(set(levels)) == 1:
-            out = self._int_matmul(x, concat_n(ints), name, level=levels[0])
+            out = self.int_matmul(x, concat_n(ints), name, level=levels[0])
             for m, w in zip(module_names, ints):
                 self.quant_summary[m] = f"int{w.bits} block {w.block_size}"
         elif all(w is None for w in ints):
             W = np.concatenate([self.param(m + ".weight") for m in module_names], 0)
-            out = self._float_matmul(x, W, name, module_names)
+            out = self.float_matmul(x, W, name, module_names)
         else:
             # mixed parts (e.g. best-w4's 8-bit v_proj beside 4-bit q/k): fuse each maximal
             # run of neighbours that can share one node, concatenate the runs
@@ -332,7 +379,9 @@ class DecoderBuilder:
                             for m in module_names]).astype(self.fdtype)
         return self.g.add(x, self.g.initializer(name + ".bias", b), name=name + "/bias")
 
-    def _float_matmul(self, x, W, name, module_names):
+    def float_matmul(self, x: str, W: np.ndarray, name: str, module_names: list[str]) -> str:
+        """``x @ W^T`` for a float weight ``W [N, K]`` (the fused parts ``module_names``),
+        stored as a ``[K, N]`` initializer in the model's float dtype."""
         for m in module_names:
             self.quant_summary[m] = self.opts.precision if self.opts.precision != "int4" else "fp32"
         return self.g.matmul(x, self.g.initializer(name + ".weight",
@@ -346,13 +395,18 @@ class DecoderBuilder:
             self._perm_cache[key] = self.g.gather(x, idx, axis=-1, name="act_order")
         return self._perm_cache[key]
 
-    def _accuracy_level(self, name: str, node: Optional[str] = None) -> int:
-        """:func:`accuracy_level_for` with this build's options (the names are kept for
-        the check that every override matched something)."""
+    def _accuracy_level(self, name: str, node: Optional[str] = None,
+                        default: Optional[int] = None) -> int:
+        """:func:`accuracy_level_for` with this build's options (``default``: the
+        export's level); the names are kept for the check that every override matched
+        something."""
         self.accuracy_names.update(n for n in (name, node) if n is not None)
-        return accuracy_level_for(name, self.opts.accuracy_level, self.opts.accuracy_levels, node)
+        return accuracy_level_for(name, self.opts.accuracy_level if default is None else default,
+                                  self.opts.accuracy_levels, node)
 
-    def _int_matmul(self, x: str, w: IntWeight, name: str, level: Optional[int] = None) -> str:
+    def int_matmul(self, x: str, w: IntWeight, name: str, level: Optional[int] = None) -> str:
+        """``x @ dequant(w)^T``: ``MatMulNBits`` (fused graph, at ``level`` or the
+        export's accuracy level) or blocked ``DequantizeLinear`` + ``MatMul`` (plain)."""
         g = self.g
         if w.perm is not None:
             x = self._permuted(x, w.perm)
@@ -380,9 +434,11 @@ class DecoderBuilder:
         zname = g.unique(name + ".qzeros")
         if w.bits == 4:
             g.initializers.append(helper.make_tensor(qname, elem, codes_t.shape,
-                                                     _pack_uint4(codes_t), raw=True))
+                                                     pack_uint4(codes_t.reshape(-1)).tobytes(),
+                                                     raw=True))
             g.initializers.append(helper.make_tensor(zname, elem, zeros_t.shape,
-                                                     _pack_uint4(zeros_t), raw=True))
+                                                     pack_uint4(zeros_t.reshape(-1)).tobytes(),
+                                                     raw=True))
         else:
             g.initializers.append(numpy_helper.from_array(codes_t, qname))
             g.initializers.append(numpy_helper.from_array(zeros_t, zname))
@@ -410,8 +466,32 @@ class DecoderBuilder:
             h, residual = self.norm(mlp, residual, self.param(nxt),
                                     f"layers.{i + 1}.input_norm" if i + 1 < s.num_layers
                                     else "final_norm")
-        self.build_lm_head(h)
+        self._output_logits(self.build_lm_head(h))
+        self.build_extra_outputs()
         return self.g.model()
+
+    @contextlib.contextmanager
+    def building_into(self, sub: GraphBuilder):
+        """Within the block, the builder's helpers (``linear``, ``int_matmul``...) add
+        their nodes to ``sub`` (e.g. an ``If`` branch) instead of the main graph."""
+        saved, self.g = self.g, sub
+        try:
+            yield sub
+        finally:
+            self.g = saved
+
+    def build_extra_outputs(self) -> None:
+        """Graph outputs after ``logits`` (none in the base graph)."""
+
+    def _output_logits(self, x: str) -> None:
+        """Name ``x`` the ``logits float32 [B, num_logits_to_keep, vocab]`` output."""
+        g = self.g
+        if self.fdtype != np.float32:
+            x = g.cast(x, TensorProto.FLOAT)
+        node = next(n for n in reversed(g.nodes) if x in n.output)
+        node.output[list(node.output).index(x)] = "logits"
+        g.output("logits", TensorProto.FLOAT, ["batch_size", "num_logits_to_keep",
+                                               self.spec.vocab_size])
 
     def build_embedding(self) -> str:
         """``input_ids [B,S]`` -> hidden ``[B,S,H]`` (q8 table shared with the head when tied)."""
@@ -619,7 +699,9 @@ class DecoderBuilder:
                            name + ".down_proj")
 
     def build_lm_head(self, h: str) -> str:
-        """Keep the last ``num_logits_to_keep`` positions, project to the vocabulary."""
+        """Keep the last ``num_logits_to_keep`` positions of ``h [B,S,H]``, project to the
+        vocabulary: returns the logits tensor ``[B, keep, vocab]`` in the model's float
+        dtype (``build`` then names it the ``logits`` output)."""
         g, s = self.g, self.spec
         start = g.node("Neg", [g.unsqueeze("num_logits_to_keep", [0])], name="logits/start")
         h = g.slice(h, start, [2 ** 62], [1], name="logits/keep")
@@ -632,7 +714,7 @@ class DecoderBuilder:
                                 K=w.K, N=w.N, bits=w.bits, block_size=w.block_size,
                                 accuracy_level=self._accuracy_level("lm_head"))
             else:
-                logits = self._int_matmul(h, self._head_int, "lm_head")
+                logits = self.int_matmul(h, self._head_int, "lm_head")
             self.quant_summary["lm_head"] = f"int{self._head_int.bits} block {self._head_int.block_size}"
         elif s.tie_word_embeddings:
             flat = g.reshape(h, [-1, s.hidden_size])
@@ -641,19 +723,8 @@ class DecoderBuilder:
             logits = g.reshape(logits, shp)
             self.quant_summary["lm_head"] = self.opts.precision if self.opts.precision != "int4" else "fp32"
         else:
-            logits = self._float_matmul(h, self.param("lm_head.weight"), "lm_head", ["lm_head"])
-        if self.fdtype != np.float32:
-            logits = g.cast(logits, TensorProto.FLOAT)
-        g.nodes[-1].output[0] = "logits"
-        g.output("logits", TensorProto.FLOAT, ["batch_size", "num_logits_to_keep", s.vocab_size])
-        return "logits"
-
-
-def _pack_uint4(a: np.ndarray) -> bytes:
-    flat = a.reshape(-1).astype(np.uint8)
-    if flat.size % 2:
-        flat = np.concatenate([flat, np.zeros(1, np.uint8)])
-    return (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8).tobytes()
+            logits = self.float_matmul(h, self.param("lm_head.weight"), "lm_head", ["lm_head"])
+        return logits
 
 
 class LlamaBuilder(DecoderBuilder):
