@@ -18,6 +18,18 @@ A batch is prefilled right-padded with per-row lengths (``seqlens_k``), which is
 the per-row ragged cache GQA keeps, so padding is invisible to every row. Plain graphs
 use left padding with an attention mask and a growing concatenated cache.
 
+Prefix reuse (``session.reuse_prefix = True``; batch 1, fused graphs of the plain
+:class:`~runtime.session.Session`): after a generation the shared KV buffers still hold the
+rows of every token fed (prompt + generated, :meth:`GenerationLoop.kv_cache_state`). The
+next generation keeps the rows of the longest common prefix of those token ids and its
+prompt and prefills only the rest in one multi-token pass (``seqlens_k`` /
+``total_sequence_length`` say where it starts: the GroupQueryAttention cache is already in
+place, so this is bookkeeping). For the next turn of a chat the prefix is the whole
+conversation so far: only the new user message is processed. Plain graphs and variant
+sessions (LeanK, COUNTDOWN: own caches / a dense-prefill, sparse-decode graph) recompute
+the whole prompt. A generation that does not finish (a stream closed or cancelled early,
+an error) frees the KV buffers.
+
 Prompt-lookup speculative decoding (``generate(..., prompt_lookup_num_tokens=K)``, batch 1,
 fused graphs; :mod:`runtime.lookup`): draft tokens found earlier in the sequence are scored
 with the fed token in one multi-token pass over the same shared buffers
@@ -78,6 +90,8 @@ class GenerationResult:
         finish_reasons: ``"eos"``, ``"stop"`` or ``"length"`` per row.
         draft_tokens: prompt-lookup draft tokens scored (0 without prompt lookup).
         accepted_draft_tokens: of those, the ones the model's own choice confirmed.
+        cached_tokens: prompt tokens whose KV rows were kept from the previous generation
+            (prefix reuse; 0 when the whole prompt was prefilled).
     """
 
     texts: list
@@ -90,6 +104,7 @@ class GenerationResult:
     finish_reasons: list = field(default_factory=list)
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    cached_tokens: int = 0
 
     @property
     def text(self) -> str:
@@ -107,12 +122,23 @@ class GenerationLoop:
     ``eos_token_ids``, ``tokenizer``, ``_caches``, ``_lock``, ``_stream_thread`` and
     ``_closed``. Subclass hooks: ``_prefill(prompts, need) -> state`` and
     ``_decode_step(state, feed) -> logits [B, vocab]`` (a variant's own caches live in
-    its state dict), ``supports_prompt_lookup``.
+    its state dict), ``supports_prompt_lookup``, ``supports_prefix_reuse``.
     """
 
     #: whether ``generate(prompt_lookup_num_tokens=...)`` may run multi-token passes over
     #: this class's cache (subclasses with their own cache layout or per-step state say no)
     supports_prompt_lookup = True
+    #: whether batch-1 generations may start from the cached prefix of the previous one
+    #: (see the module docstring); ``None``: yes on fused graphs, unless the class is a
+    #: registered variant session (``runtime.variants``), which recomputes
+    supports_prefix_reuse: Optional[bool] = None
+    #: turn prefix reuse on for this session (off by default: outputs then never depend
+    #: on an earlier call; on int8-activation int4 graphs a reused prefix rounds like the
+    #: decode steps that wrote it, a recomputed one like a prefill)
+    reuse_prefix: bool = False
+    #: ``(cache, token ids)``: the rows of a finished batch-1 generation that the next
+    #: one may keep (``None``: nothing reusable)
+    _kv_prefix = None
 
     # ------------------------------------------------------------- locking
     def _check_open(self) -> None:
@@ -147,7 +173,7 @@ class GenerationLoop:
 
     def _free(self) -> None:
         """Drop the onnxruntime session and the KV buffers (idempotent)."""
-        self._caches.clear()
+        self.free_kv_cache()
         self.sess = None
 
     def _check_not_closed_mid_generation(self) -> None:
@@ -191,11 +217,18 @@ class GenerationLoop:
         """:meth:`_loop` under the session lock (held across the yields of a stream)."""
         me = threading.get_ident()
         self._acquire()
+        finished = False
+        gen = self._loop(prompts, max_new, sampler, stop, streaming, need, lookup)
         try:
             if streaming:
                 self._stream_thread = me
-            yield from self._loop(prompts, max_new, sampler, stop, streaming, need, lookup)
+            for item in gen:
+                finished = item[1]
+                yield item
         finally:
+            gen.close()
+            if not finished:        # closed / cancelled early, or failed: its KV rows go
+                self.free_kv_cache()
             if streaming:
                 self._stream_thread = None
             self._release()
@@ -219,8 +252,12 @@ class GenerationLoop:
         texts = [""] * B
         step_ms: list[float] = []
         t0 = time.perf_counter()
-        state = self._prefill(prompts, need)
+        try:
+            state = self._prefill(prompts, need)
+        finally:
+            self._kv_prefix = None      # the buffers' rows are this generation's from here on
         logits = state["logits"]
+        cached = int(state.get("cached_tokens", 0))
         t_prefill = time.perf_counter() - t0
         ttft = None
         t_dec0 = t_last = None    # decode time: from the first token to the last one kept
@@ -257,7 +294,7 @@ class GenerationLoop:
                 t_dec0 = t_last = time.perf_counter()
             if streaming:
                 yield self._result(prompts, gen, texts, ttft, t_prefill, (t_dec0, t_last), step_ms,
-                                   reasons, drafted, accepted), False
+                                   reasons, drafted, accepted, cached), False
             if all(done) or step == max_new - 1:
                 break
             if queued:          # confirmed by the last verification pass: no forward pass
@@ -286,8 +323,10 @@ class GenerationLoop:
             step_ms.append((time.perf_counter() - ts) * 1e3)
         if not stop:
             texts = [self.tokenizer.decode(g) for g in gen]
+        if B == 1 and self._prefix_reuse_on() and isinstance(state.get("cache"), SharedKVCache):
+            self._kv_prefix = (state["cache"], state["tokens"][0])
         yield self._result(prompts, gen, texts, ttft, t_prefill, (t_dec0, t_last), step_ms,
-                           reasons, drafted, accepted), True
+                           reasons, drafted, accepted, cached), True
 
     def _verify(self, st, fed: int, draft: np.ndarray, sampler: Sampler,
                 seen: list[int]) -> list[int]:
@@ -329,7 +368,7 @@ class GenerationLoop:
         return chosen
 
     def _result(self, prompts, gen, texts, ttft, t_prefill, t_dec, step_ms, reasons,
-                drafted=0, accepted=0):
+                drafted=0, accepted=0, cached=0):
         """The :class:`GenerationResult` of the tokens so far (timings in seconds in)."""
         # the pass that produced an end-of-sequence token (dropped) is not decode time
         dec_s = t_dec[1] - t_dec[0] if t_dec[0] is not None else 0.0
@@ -340,7 +379,63 @@ class GenerationLoop:
             prefill_tok_s=sum(len(p) for p in prompts) / max(t_prefill, 1e-9),
             decode_tok_s=(n_dec / dec_s) if (dec_s > 0 and n_dec > 0) else 0.0,
             step_ms=list(step_ms), finish_reasons=list(reasons), draft_tokens=drafted,
-            accepted_draft_tokens=accepted)
+            accepted_draft_tokens=accepted, cached_tokens=cached)
+
+    # -------------------------------------------------------- prefix reuse
+    def _prefix_reuse_on(self) -> bool:
+        """Prefix reuse is asked for (:attr:`reuse_prefix`) and this class and graph allow it."""
+        ok = self.supports_prefix_reuse
+        if ok is None:
+            ok = getattr(type(self), "variant_name", None) is None
+        return bool(self.reuse_prefix and ok and self.fused)
+
+    def _reusable_rows(self, prompts, cache: SharedKVCache) -> int:
+        """Rows of ``cache`` a batch-1 prefill of ``prompts`` may keep: the longest common
+        prefix of the ids they hold and the prompt, less the prompt's last token (its
+        logits are needed); 0 when prefix reuse is off or the buffers were reallocated."""
+        rec = self._kv_prefix
+        if rec is None or len(prompts) != 1 or rec[0] is not cache or not self._prefix_reuse_on():
+            return 0
+        return common_prefix_length(rec[1], prompts[0], len(prompts[0]) - 1)
+
+    def kv_cache_state(self) -> dict:
+        """What this session's KV buffers hold between calls.
+
+        Returns:
+            ``{"allocated_bytes": bytes of the preallocated KV buffers kept for the next
+            call, "cached_tokens": tokens whose rows a next batch-1 generation may keep
+            (prefix reuse; 0 when off or after an unfinished generation)}``.
+        """
+        rec = self._kv_prefix
+        return {"allocated_bytes": int(sum(c.nbytes for c in self._caches.values())),
+                "cached_tokens": len(rec[1]) if rec is not None else 0}
+
+    def free_kv_cache(self) -> None:
+        """Drop the KV buffers kept between calls and the cached prefix (the next call
+        allocates again and prefills its whole prompt). Safe to call at any time from
+        the thread that holds the session, or when no call runs."""
+        self._kv_prefix = None
+        self._caches.clear()
+
+    def fork(self):
+        """Another handle on this loaded model for a concurrent generation: the same
+        onnxruntime session (its ``Run`` is thread-safe; weights loaded once), tokenizer
+        and settings, with its own KV buffers, prefix cache and lock. Generations on the
+        fork and on this session run at the same time in two threads. Closing one does
+        not close the other; the onnxruntime session is freed when neither uses it.
+
+        Raises:
+            GenerationError: the session is closed.
+        """
+        import copy
+
+        self._check_open()
+        twin = copy.copy(self)
+        twin._caches = {}
+        twin._lock = threading.Lock()
+        twin._stream_thread = None
+        twin._kv_prefix = None
+        return twin
 
     # ------------------------------------------------------ prefill / decode
     def _cache(self, B: int, need: Optional[int] = None) -> SharedKVCache:
@@ -390,6 +485,7 @@ class GenerationLoop:
             return {"logits": logits, "cache": cache, "mask": mask, "pos": pos[:, -1:].copy(),
                     "lens": lens.copy(), "tokens": [list(p) for p in prompts]}
         cache = self._cache(B, need)
+        start = self._reusable_rows(prompts, cache)
         ids = np.full((B, S), self.pad_token_id, np.int64)
         for b, p in enumerate(prompts):
             ids[b, :len(p)] = p
@@ -397,7 +493,10 @@ class GenerationLoop:
         # last `keep` positions so that every row's last real token is among them
         keep = int(S - lens.min() + 1)
         kept_bytes = B * keep * self.vocab_size * 4
-        if B > 1 and kept_bytes > PREFILL_LOGITS_BYTES and self.in_place_io:
+        if start:
+            # prefix reuse (batch 1): rows [0, start) are in the buffers; write the rest
+            logits = self._run_fused(ids[:, start:], lens - 1, S, 1, cache)[:, -1]
+        elif B > 1 and kept_bytes > PREFILL_LOGITS_BYTES and self.in_place_io:
             # rows of very different lengths: prefill each row alone into its row of the
             # buffers (keeps one position per row, not B x keep x vocab floats)
             logits = np.stack([self._run_fused(ids[b:b + 1, :int(lens[b])], np.array([lens[b] - 1], np.int32),
@@ -411,7 +510,8 @@ class GenerationLoop:
             idx = (lens - 1) - (S - keep)
             logits = out[np.arange(B), idx]
         # Decode-step state: preallocated inputs read in place by onnxruntime.
-        st = {"cache": cache, "lens": lens.copy(), "tokens": [list(p) for p in prompts]}
+        st = {"cache": cache, "lens": lens.copy(), "tokens": [list(p) for p in prompts],
+              "cached_tokens": start}
         st["ids"] = np.zeros((B, 1), np.int64)
         st["seqlens"] = np.zeros((B,), np.int32)
         st["total"] = np.zeros((), np.int32)
@@ -513,6 +613,16 @@ class GenerationLoop:
         return outs[-1].numpy()
 
 
+def common_prefix_length(a, b, limit: Optional[int] = None) -> int:
+    """Length of the longest common prefix of the id sequences ``a`` and ``b`` (at most
+    ``limit``)."""
+    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), max(int(limit), 0))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(diff[0]) if len(diff) else n
+
+
 def _run_bound(sess, bd) -> None:
     """``sess.run_with_iobinding(bd)`` for a binding whose outputs are all preallocated
     CPU buffers (the decode step), without the Python wrapper's per-call WebGPU
@@ -526,4 +636,5 @@ def _run_bound(sess, bd) -> None:
     inner.run_with_iobinding(binding, None)
 
 
-__all__ = ["GenerationLoop", "GenerationResult", "FULL_KV_BYTES", "KV_CHUNK", "PREFILL_LOGITS_BYTES"]
+__all__ = ["GenerationLoop", "GenerationResult", "FULL_KV_BYTES", "KV_CHUNK", "PREFILL_LOGITS_BYTES",
+           "common_prefix_length"]
