@@ -9,8 +9,9 @@ Fused graphs (``GroupQueryAttention``) keep one preallocated KV buffer per layer
 (``runtime.kv_cache.SharedKVCache``) bound with IOBinding once per generation, sized to
 the whole ``max_length`` when that is small (:data:`FULL_KV_BYTES`) or under
 ``"sliding_window"``, else to the call's requested length (prompt + ``max_new_tokens``,
-rounded up to :data:`KV_CHUNK` tokens), reused by later calls that fit and checked
-against the memory available (:func:`runtime.memory.check_memory`); each decode step
+rounded up to :data:`KV_CHUNK` tokens; a cached prefix is copied when they grow), reused
+by later calls that fit and checked against the memory available
+(:func:`runtime.memory.check_memory`); each decode step
 only rewrites a few preallocated numpy arrays (the next token, ``seqlens_k``,
 ``total_sequence_length``) that ONNX Runtime reads in place, and the logits land in a
 preallocated ``[B, 1, vocab]`` buffer: no per-step allocation proportional to the context.
@@ -394,9 +395,31 @@ class GenerationLoop:
         prefix of the ids they hold and the prompt, less the prompt's last token (its
         logits are needed); 0 when prefix reuse is off or the buffers were reallocated."""
         rec = self._kv_prefix
-        if rec is None or len(prompts) != 1 or rec[0] is not cache or not self._prefix_reuse_on():
+        if rec is None or len(prompts) != 1 or rec[0] is not cache:
             return 0
-        return common_prefix_length(rec[1], prompts[0], len(prompts[0]) - 1)
+        return self.reusable_prefix_length(prompts[0])
+
+    def _move_prefix(self, prompts, old: Optional[SharedKVCache], new: SharedKVCache) -> None:
+        """The buffers grew (a longer conversation than the last call's buffers hold):
+        copy the rows of the prefix a batch-1 prompt would keep into the new ones (CPU)."""
+        rec = self._kv_prefix
+        if rec is None or old is None or rec[0] is not old or len(prompts) != 1 \
+                or not (old.arrays and new.arrays):
+            return
+        n = self.reusable_prefix_length(prompts[0])
+        if n:
+            for a, b in zip(old.arrays, new.arrays):
+                b[:, :, :n] = a[:, :, :n]
+            self._kv_prefix = (new, rec[1][:n])
+
+    def reusable_prefix_length(self, ids) -> int:
+        """Tokens of the prompt ``ids`` whose KV rows the next batch-1 generation on this
+        session would keep (prefix reuse: all but the prompt's last token at most; 0 when
+        reuse is off or nothing is cached)."""
+        rec = self._kv_prefix
+        if rec is None or not self._prefix_reuse_on():
+            return 0
+        return common_prefix_length(rec[1], ids, len(ids) - 1)
 
     def kv_cache_state(self) -> dict:
         """What this session's KV buffers hold between calls.
@@ -484,7 +507,10 @@ class GenerationLoop:
             logits = self._run_plain(ids, mask, pos, 1, cache)[:, -1]
             return {"logits": logits, "cache": cache, "mask": mask, "pos": pos[:, -1:].copy(),
                     "lens": lens.copy(), "tokens": [list(p) for p in prompts]}
+        old = self._caches.get(B)
         cache = self._cache(B, need)
+        if cache is not old:
+            self._move_prefix(prompts, old, cache)
         start = self._reusable_rows(prompts, cache)
         ids = np.full((B, S), self.pad_token_id, np.int64)
         for b, p in enumerate(prompts):

@@ -1,14 +1,14 @@
 """The ``edgeprune`` command line (click). It parses options and calls the Python API.
 
 Verbs: ``run`` (the main job), ``compress``, ``eval``, ``export``, ``leank``, ``generate``,
-``profile``, ``devices``; one module per verb. Every verb that measures something takes
-``--json PATH``. Errors print one line (``error: ... (fix: ...)``) and exit with code 2;
+``chat``, ``serve``, ``profile``, ``devices``; one module per verb. Every verb that measures
+something takes ``--json PATH``. Errors print one line (``error: ... (fix: ...)``) and exit with code 2;
 nothing half-written is left behind.
 """
 
 from __future__ import annotations
 
-from . import compress, evaluate, export, generate, leank, profile, run  # noqa: F401  (register verbs)
+from . import chat, compress, evaluate, export, generate, leank, profile, run, serve  # noqa: F401  (register verbs)
 from ._app import cli, main
 from ._common import METHODS, _finite  # noqa: F401
 

@@ -108,6 +108,25 @@ def test_batches_and_reallocation_recompute(tiny):
         assert on.generate(ids, max_new_tokens=4).cached_tokens == 0
 
 
+def test_growing_buffers_keep_the_prefix(tiny, monkeypatch):
+    """Buffers sized per call (long contexts) grow with the conversation: the cached rows
+    are copied into the larger ones, and the tokens stay those of a recomputation."""
+    import runtime.generation as rg
+
+    monkeypatch.setattr(rg, "FULL_KV_BYTES", 0)
+    monkeypatch.setattr(rg, "KV_CHUNK", 16)
+    on, off = _pair(tiny)
+    with on, off:
+        prompt = rand_ids(20, vocab=300, seed=8)[0].tolist()
+        sizes = []
+        for turn in range(4):
+            a, b = on.generate(prompt, max_new_tokens=12), off.generate(prompt, max_new_tokens=12)
+            assert a.token_ids == b.token_ids and (a.cached_tokens > 0) == (turn > 0)
+            sizes.append(on._caches[1].max_length)
+            prompt = prompt + a.token_ids[0] + rand_ids(9, vocab=300, seed=turn)[0].tolist()
+        assert sizes == sorted(sizes) and len(set(sizes)) == 4       # grew every turn
+
+
 def test_unfinished_generations_free_the_kv(tiny):
     on, _ = _pair(tiny)
     with on:
