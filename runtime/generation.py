@@ -19,17 +19,9 @@ A batch is prefilled right-padded with per-row lengths (``seqlens_k``), which is
 the per-row ragged cache GQA keeps, so padding is invisible to every row. Plain graphs
 use left padding with an attention mask and a growing concatenated cache.
 
-Prefix reuse (``session.reuse_prefix = True``; batch 1, fused graphs of the plain
-:class:`~runtime.session.Session`): after a generation the shared KV buffers still hold the
-rows of every token fed (prompt + generated, :meth:`GenerationLoop.kv_cache_state`). The
-next generation keeps the rows of the longest common prefix of those token ids and its
-prompt and prefills only the rest in one multi-token pass (``seqlens_k`` /
-``total_sequence_length`` say where it starts: the GroupQueryAttention cache is already in
-place, so this is bookkeeping). For the next turn of a chat the prefix is the whole
-conversation so far: only the new user message is processed. Plain graphs and variant
-sessions (LeanK, COUNTDOWN: own caches / a dense-prefill, sparse-decode graph) recompute
-the whole prompt. A generation that does not finish (a stream closed or cancelled early,
-an error) frees the KV buffers.
+Prefix reuse between calls (``session.reuse_prefix = True``: the KV rows of the common
+prefix of the last generation and the next prompt are kept, only the rest is prefilled),
+freeing the buffers of unfinished generations, and forks: :mod:`runtime.kv_reuse`.
 
 Prompt-lookup speculative decoding (``generate(..., prompt_lookup_num_tokens=K)``, batch 1,
 fused graphs; :mod:`runtime.lookup`): draft tokens found earlier in the sequence are scored
@@ -51,6 +43,7 @@ import onnxruntime as ort
 from . import memory
 from .errors import GenerationError
 from .kv_cache import ConcatKVCache, SharedKVCache
+from .kv_reuse import KVReuse
 from .lookup import DraftController, find_draft
 from .sampling import Sampler
 
@@ -114,7 +107,7 @@ class GenerationResult:
 
 
 
-class GenerationLoop:
+class GenerationLoop(KVReuse):
     """The generation loop of :class:`runtime.session.Session` (a base class it derives from).
 
     It reads what ``Session.__init__`` sets: ``sess`` (the onnxruntime session), ``kv``
@@ -129,17 +122,6 @@ class GenerationLoop:
     #: whether ``generate(prompt_lookup_num_tokens=...)`` may run multi-token passes over
     #: this class's cache (subclasses with their own cache layout or per-step state say no)
     supports_prompt_lookup = True
-    #: whether batch-1 generations may start from the cached prefix of the previous one
-    #: (see the module docstring); ``None``: yes on fused graphs, unless the class is a
-    #: registered variant session (``runtime.variants``), which recomputes
-    supports_prefix_reuse: Optional[bool] = None
-    #: turn prefix reuse on for this session (off by default: outputs then never depend
-    #: on an earlier call; on int8-activation int4 graphs a reused prefix rounds like the
-    #: decode steps that wrote it, a recomputed one like a prefill)
-    reuse_prefix: bool = False
-    #: ``(cache, token ids)``: the rows of a finished batch-1 generation that the next
-    #: one may keep (``None``: nothing reusable)
-    _kv_prefix = None
 
     # ------------------------------------------------------------- locking
     def _check_open(self) -> None:
@@ -382,84 +364,6 @@ class GenerationLoop:
             step_ms=list(step_ms), finish_reasons=list(reasons), draft_tokens=drafted,
             accepted_draft_tokens=accepted, cached_tokens=cached)
 
-    # -------------------------------------------------------- prefix reuse
-    def _prefix_reuse_on(self) -> bool:
-        """Prefix reuse is asked for (:attr:`reuse_prefix`) and this class and graph allow it."""
-        ok = self.supports_prefix_reuse
-        if ok is None:
-            ok = getattr(type(self), "variant_name", None) is None
-        return bool(self.reuse_prefix and ok and self.fused)
-
-    def _reusable_rows(self, prompts, cache: SharedKVCache) -> int:
-        """Rows of ``cache`` a batch-1 prefill of ``prompts`` may keep: the longest common
-        prefix of the ids they hold and the prompt, less the prompt's last token (its
-        logits are needed); 0 when prefix reuse is off or the buffers were reallocated."""
-        rec = self._kv_prefix
-        if rec is None or len(prompts) != 1 or rec[0] is not cache:
-            return 0
-        return self.reusable_prefix_length(prompts[0])
-
-    def _move_prefix(self, prompts, old: Optional[SharedKVCache], new: SharedKVCache) -> None:
-        """The buffers grew (a longer conversation than the last call's buffers hold):
-        copy the rows of the prefix a batch-1 prompt would keep into the new ones (CPU)."""
-        rec = self._kv_prefix
-        if rec is None or old is None or rec[0] is not old or len(prompts) != 1 \
-                or not (old.arrays and new.arrays):
-            return
-        n = self.reusable_prefix_length(prompts[0])
-        if n:
-            for a, b in zip(old.arrays, new.arrays):
-                b[:, :, :n] = a[:, :, :n]
-            self._kv_prefix = (new, rec[1][:n])
-
-    def reusable_prefix_length(self, ids) -> int:
-        """Tokens of the prompt ``ids`` whose KV rows the next batch-1 generation on this
-        session would keep (prefix reuse: all but the prompt's last token at most; 0 when
-        reuse is off or nothing is cached)."""
-        rec = self._kv_prefix
-        if rec is None or not self._prefix_reuse_on():
-            return 0
-        return common_prefix_length(rec[1], ids, len(ids) - 1)
-
-    def kv_cache_state(self) -> dict:
-        """What this session's KV buffers hold between calls.
-
-        Returns:
-            ``{"allocated_bytes": bytes of the preallocated KV buffers kept for the next
-            call, "cached_tokens": tokens whose rows a next batch-1 generation may keep
-            (prefix reuse; 0 when off or after an unfinished generation)}``.
-        """
-        rec = self._kv_prefix
-        return {"allocated_bytes": int(sum(c.nbytes for c in self._caches.values())),
-                "cached_tokens": len(rec[1]) if rec is not None else 0}
-
-    def free_kv_cache(self) -> None:
-        """Drop the KV buffers kept between calls and the cached prefix (the next call
-        allocates again and prefills its whole prompt). Safe to call at any time from
-        the thread that holds the session, or when no call runs."""
-        self._kv_prefix = None
-        self._caches.clear()
-
-    def fork(self):
-        """Another handle on this loaded model for a concurrent generation: the same
-        onnxruntime session (its ``Run`` is thread-safe; weights loaded once), tokenizer
-        and settings, with its own KV buffers, prefix cache and lock. Generations on the
-        fork and on this session run at the same time in two threads. Closing one does
-        not close the other; the onnxruntime session is freed when neither uses it.
-
-        Raises:
-            GenerationError: the session is closed.
-        """
-        import copy
-
-        self._check_open()
-        twin = copy.copy(self)
-        twin._caches = {}
-        twin._lock = threading.Lock()
-        twin._stream_thread = None
-        twin._kv_prefix = None
-        return twin
-
     # ------------------------------------------------------ prefill / decode
     def _cache(self, B: int, need: Optional[int] = None) -> SharedKVCache:
         """The preallocated KV buffers for batch ``B``: the whole ``max_length`` when that
@@ -639,16 +543,6 @@ class GenerationLoop:
         return outs[-1].numpy()
 
 
-def common_prefix_length(a, b, limit: Optional[int] = None) -> int:
-    """Length of the longest common prefix of the id sequences ``a`` and ``b`` (at most
-    ``limit``)."""
-    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), max(int(limit), 0))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
-    return int(diff[0]) if len(diff) else n
-
-
 def _run_bound(sess, bd) -> None:
     """``sess.run_with_iobinding(bd)`` for a binding whose outputs are all preallocated
     CPU buffers (the decode step), without the Python wrapper's per-call WebGPU
@@ -662,5 +556,4 @@ def _run_bound(sess, bd) -> None:
     inner.run_with_iobinding(binding, None)
 
 
-__all__ = ["GenerationLoop", "GenerationResult", "FULL_KV_BYTES", "KV_CHUNK", "PREFILL_LOGITS_BYTES",
-           "common_prefix_length"]
+__all__ = ["GenerationLoop", "GenerationResult", "FULL_KV_BYTES", "KV_CHUNK", "PREFILL_LOGITS_BYTES"]

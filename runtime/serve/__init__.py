@@ -87,7 +87,8 @@ def serve(folder, host: str = "127.0.0.1", port: int = 8000, max_concurrency: in
         log_level: uvicorn's (``info`` logs one line per request).
 
     Raises:
-        ConfigError: the extra is missing, or a limit is out of range.
+        ConfigError: the extra is missing, a limit is out of range, or the address cannot
+            be listened on.
         RuntimeLoadError: the folder cannot be loaded.
     """
     from pathlib import Path
@@ -105,8 +106,6 @@ def serve(folder, host: str = "127.0.0.1", port: int = 8000, max_concurrency: in
     sessions = load_slots(folder, max_concurrency, threads, max_length)
     import logging
 
-    import uvicorn
-
     log = logging.getLogger("runtime.serve")
     if not log.handlers:
         handler = logging.StreamHandler()
@@ -118,7 +117,17 @@ def serve(folder, host: str = "127.0.0.1", port: int = 8000, max_concurrency: in
         app = mod.create_app(sessions, name, queue_size, max_request_bytes, max_tokens)
         log.info("serving %s as '%s' at http://%s:%d/v1: %d slot(s), queue %d; Ctrl-C stops",
                  folder, name, host, port, len(sessions), queue_size)
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        server = mod.UvicornServer(app, host=host, port=port, log_level=log_level)
+        try:
+            server.run()
+        except KeyboardInterrupt:      # uvicorn re-raises the Ctrl-C it handled: a normal stop
+            pass
+        except SystemExit:             # uvicorn exits when it cannot bind
+            if server.started:
+                raise
+        if not server.started:
+            raise ConfigError(f"cannot listen on {host}:{port} (in use, or not an address of "
+                              "this machine)", "pass a free --port, or another --host")
     finally:
         for s in sessions:
             s.close()

@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import GenerationError
+from ..streaming import CANCELLED
 from .protocol import (Reply, RequestError, error_body, finish_reason, fit_max_tokens, parse_chat,
                        parse_completion)
 from .slots import Generation, SlotPool, watch_disconnect
@@ -38,6 +39,8 @@ log = logging.getLogger("runtime.serve")
 #: bodies over the limit but under this many bytes are read (and dropped) before the 413,
 #: so that the client, still sending, reads the answer instead of a reset connection
 DRAIN_MAX_BYTES = 64 << 20
+#: on shutdown, running answers get this long to finish before they are cancelled
+SHUTDOWN_GRACE_S = 5
 
 
 class ServerState:
@@ -61,6 +64,22 @@ class ServerState:
         self.tokenizer = sessions[0].tokenizer
         self.max_length = int(sessions[0].max_length)
         self.created = int(time.time())
+        self.active: set = set()        # running Generations
+        self.tasks: set = set()         # their bookkeeping tasks (referenced until done)
+        self.closing = False
+
+    def check_open(self) -> None:
+        """Raises a 503 once the server shuts down."""
+        if self.closing:
+            raise RequestError(503, "the server is shutting down", code="shutting_down",
+                               kind="server_error")
+
+    def cancel_all(self) -> None:
+        """Shutting down: refuse new requests and cancel the running generations (each
+        stops before its next token and frees its KV buffers)."""
+        self.closing = True
+        for gen in list(self.active):
+            gen.cancel()
 
 
 async def _read_json(request: Request, limit: int) -> dict:
@@ -125,6 +144,9 @@ async def _events(gen: Generation, reply: Reply):
             yield _sse(reply.chunk(first=True))
         async for piece in gen.pieces():
             yield _sse(reply.chunk(piece))
+        if gen.stream.finish_reason == CANCELLED:
+            yield _sse(_cancelled().body())
+            return
         yield _sse(reply.chunk(finish=finish_reason(gen.stream.finish_reason)))
         if reply.req.include_usage:
             yield _sse(reply.usage_chunk(gen.stream.result))
@@ -138,21 +160,31 @@ async def _events(gen: Generation, reply: Reply):
     yield "data: [DONE]\n\n"
 
 
+def _cancelled() -> RequestError:
+    return RequestError(503, "the answer was cancelled: the server is shutting down",
+                        code="cancelled", kind="server_error")
+
+
 async def _complete(request: Request, parse) -> object:
     """A chat or completion request: parse, queue for a slot, generate, answer."""
     st: ServerState = request.app.state.edgeprune
     body = await _read_json(request, st.max_request_bytes)
     req = parse(body, st.tokenizer)
     n = fit_max_tokens(req, st.max_length, st.max_tokens)
+    st.check_open()
     slot = await st.pool.acquire(req.prompt_ids)
     try:
+        st.check_open()
         stream = slot.stream(req.prompt_ids, max_new_tokens=n, **req.sampling)
     except BaseException:
         st.pool.release(slot)
         raise
     gen = Generation(st.pool, slot, stream)
     reply = Reply(req, st.model_name)
-    asyncio.get_running_loop().create_task(_log_when_done(gen, req.kind))
+    st.active.add(gen)
+    task = asyncio.get_running_loop().create_task(_track(st, gen, req.kind))
+    st.tasks.add(task)
+    task.add_done_callback(st.tasks.discard)
     if req.stream:
         return _EventStream(_events(gen, reply), gen)
     watcher = asyncio.create_task(watch_disconnect(request, gen))
@@ -161,12 +193,16 @@ async def _complete(request: Request, parse) -> object:
     finally:
         gen.cancel()
         watcher.cancel()
+    if gen.stream.finish_reason == CANCELLED:
+        raise _cancelled()
     return JSONResponse(reply.response(text, finish_reason(gen.stream.finish_reason),
                                        gen.stream.result))
 
 
-async def _log_when_done(gen: Generation, kind: str) -> None:
+async def _track(st: ServerState, gen: Generation, kind: str) -> None:
+    """Forget ``gen`` once over, and log it."""
     await gen.done.wait()
+    st.active.discard(gen)
     r, why = gen.stream.result, gen.stream.finish_reason
     if r is None:
         log.info("%s: ended before the first token (%s)", kind, why)
@@ -256,6 +292,25 @@ def create_app(sessions: list, model_name: str = "edgeprune", queue_size: int = 
     return app
 
 
+class UvicornServer(uvicorn.Server):
+    """``uvicorn.Server`` that cancels the running generations when it shuts down (so that
+    their connections end at once, with an error event, instead of running to the end).
+
+    Args:
+        app: the app of :func:`create_app`.
+        **config: ``uvicorn.Config`` arguments (``host``, ``port``, ``log_level``...).
+    """
+
+    def __init__(self, app, **config):
+        config.setdefault("timeout_graceful_shutdown", SHUTDOWN_GRACE_S)
+        super().__init__(uvicorn.Config(app, **config))
+        self.state: ServerState = app.state.edgeprune
+
+    async def shutdown(self, sockets=None) -> None:  # noqa: D102
+        self.state.cancel_all()
+        await super().shutdown(sockets=sockets)
+
+
 class ServerThread:
     """uvicorn serving an app in a background thread (an app embedding the server, tests).
 
@@ -278,7 +333,7 @@ class ServerThread:
         self._sock.bind((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
+        self.server = UvicornServer(app, log_level=log_level, lifespan="off")
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         name="edgeprune-server", daemon=True)
 
@@ -305,4 +360,5 @@ class ServerThread:
         self.stop()
 
 
-__all__ = ["create_app", "ServerState", "ServerThread", "DRAIN_MAX_BYTES"]
+__all__ = ["create_app", "ServerState", "ServerThread", "UvicornServer", "DRAIN_MAX_BYTES",
+           "SHUTDOWN_GRACE_S"]

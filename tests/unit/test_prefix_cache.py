@@ -13,7 +13,7 @@ import pytest
 import exporters
 import runtime
 from runtime.countdown import CountdownSession
-from runtime.generation import common_prefix_length
+from runtime.kv_reuse import common_prefix_length
 from runtime.leank import LeanKSession
 
 from tiny import byte_tokenizer, export_tiny_llama, rand_ids, tiny_model

@@ -330,7 +330,10 @@ def test_serve_verb(tiny, capsys):
         one_line_error(code, err, needle)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
+        s.listen()
         port = s.getsockname()[1]
+        code, _, err = run_cli(["serve", tiny, "--port", port, "--log-level", "critical"], capsys)
+        one_line_error(code, err, f"cannot listen on 127.0.0.1:{port}", "--port")
     proc = subprocess.Popen([sys.executable, "-m", "edgeprune.cli", "serve", str(tiny), "--port",
                              str(port), "--threads", "1", "--max-concurrency", "2",
                              "--model-name", "tiny-cli"], cwd=ROOT,
@@ -354,3 +357,30 @@ def test_serve_verb(tiny, capsys):
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert "2 slot(s), queue 8" in err and "prompt tokens" in err
+
+
+def test_shutdown_cancels_running_answers(tiny):
+    sessions = load_slots(tiny, 1, threads=1)
+    sessions[0].eos_token_ids = []
+    _slow(sessions[0], 0.01, {"now": 0, "max": 0})
+    srv = ServerThread(create_app(sessions, "tiny")).start()
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=450,
+                                            stream=True)
+    it = iter(stream)
+    next(it)
+    got = []
+
+    def drain():
+        try:
+            got.extend(it)
+        except openai.APIError as e:
+            got.append(e)
+
+    t = threading.Thread(target=drain)
+    t.start()
+    srv.stop()
+    t.join(30)
+    assert isinstance(got[-1], openai.APIError) and "shutting down" in str(got[-1])
+    assert sessions[0].kv_cache_state() == {"allocated_bytes": 0, "cached_tokens": 0}
+    sessions[0].close()
