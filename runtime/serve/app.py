@@ -94,17 +94,17 @@ async def _read_json(request: Request, limit: int) -> dict:
                             code="request_too_large")
 
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        if int(declared) <= DRAIN_MAX_BYTES:
-            async for _ in request.stream():
-                pass
+    if declared.isdigit() and int(declared) > max(limit, DRAIN_MAX_BYTES):
         raise too_large(int(declared))
     chunks, n = [], 0
-    async for chunk in request.stream():
+    async for chunk in request.stream():       # over the limit: read on, keep nothing
         n += len(chunk)
-        if n > limit:
-            raise too_large(n)
-        chunks.append(chunk)
+        if n <= limit:
+            chunks.append(chunk)
+        elif n > DRAIN_MAX_BYTES:
+            break
+    if n > limit:
+        raise too_large(n)
     try:
         body = json.loads(b"".join(chunks) or b"null")
     except ValueError as e:
@@ -303,6 +303,7 @@ class UvicornServer(uvicorn.Server):
 
     def __init__(self, app, **config):
         config.setdefault("timeout_graceful_shutdown", SHUTDOWN_GRACE_S)
+        config.setdefault("lifespan", "off")        # the app has no startup/shutdown events
         super().__init__(uvicorn.Config(app, **config))
         self.state: ServerState = app.state.edgeprune
 
@@ -333,7 +334,7 @@ class ServerThread:
         self._sock.bind((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        self.server = UvicornServer(app, log_level=log_level, lifespan="off")
+        self.server = UvicornServer(app, log_level=log_level)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         name="edgeprune-server", daemon=True)
 

@@ -356,7 +356,7 @@ def test_serve_verb(tiny, capsys):
         proc.send_signal(2)                 # Ctrl-C: uvicorn shuts down, the sessions close
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
-    assert "2 slot(s), queue 8" in err and "prompt tokens" in err
+    assert "2 slot(s), queue 8" in err and "prompt tokens" in err and "Traceback" not in err
 
 
 def test_shutdown_cancels_running_answers(tiny):
