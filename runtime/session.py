@@ -28,7 +28,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import onnxruntime as ort
@@ -41,6 +41,7 @@ from .inputs import encode_prompts, logits_inputs
 from .kv_cache import ConcatKVCache, KVSpec, SharedKVCache
 from .lookup import check_lookup_args
 from .sampling import Sampler
+from .streaming import TextStream
 from .tokenizer import Tokenizer
 from .variants import session_class
 
@@ -337,12 +338,14 @@ class Session(GenerationLoop):
                repetition_penalty: float = 1.0, stop: Optional[list] = None,
                seed: Optional[int] = None, chat: bool = False,
                prompt_lookup_num_tokens: int = 0,
-               max_matching_ngram_size: int = 2) -> Iterator[str]:
+               max_matching_ngram_size: int = 2) -> TextStream:
         """Yield text pieces as they are generated (one prompt, or one conversation as a
         list of ``{"role", "content"}`` messages). Same tokens as :meth:`generate` for the
         same arguments and seed. Arguments are checked at the call (same errors as
         :meth:`generate`); the session serves nothing else in this thread until the
-        iterator is exhausted or closed.
+        iterator is exhausted or closed. The returned :class:`runtime.streaming.TextStream`
+        tells afterwards why it ended (``finish_reason``: ``"eos"``, ``"stop"``,
+        ``"length"``, ``"cancelled"``) and holds the ``result`` (token counts, timings).
 
         Raises:
             GenerationError: a batch (use :meth:`generate`), or as :meth:`generate`.
@@ -353,31 +356,7 @@ class Session(GenerationLoop):
         gen, stop = self._iter(prompt, max_new_tokens, temperature, top_k, top_p,
                                repetition_penalty, stop, seed, chat, streaming=True,
                                lookup=(prompt_lookup_num_tokens, max_matching_ngram_size))
-        return self._stream_text(gen, stop)
-
-    def _stream_text(self, gen, stop: list[str]) -> Iterator[str]:
-        """The new text of each result of the loop ``gen``, held back while it may still
-        become the start of a ``stop`` string and cut before one."""
-        dec = self.tokenizer.incremental_decoder()
-        emitted, n = "", 0
-        hold = max((len(s) for s in stop), default=1) - 1
-        for res, final in gen:
-            ids = res.token_ids[0]
-            for t in ids[n:]:
-                dec.push(t)
-            n = len(ids)
-            if final:
-                dec.flush()
-            text = dec.text
-            if stop:
-                cut = min((text.find(s) for s in stop if s and s in text), default=-1)
-                if cut >= 0:
-                    text = text[:cut]
-                elif not final and hold:
-                    text = text[:max(len(emitted), len(text) - hold)]
-            if len(text) > len(emitted) and text.startswith(emitted):
-                yield text[len(emitted):]
-                emitted = text
+        return TextStream(gen, stop, self.tokenizer)
 
     def _iter(self, prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty,
               stop, seed, chat, streaming=False, lookup=(0, 2)):

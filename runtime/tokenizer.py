@@ -7,7 +7,8 @@ tokens, cleanup flag, possibly the chat template) and optionally
 ``chat_template.jinja`` / ``generation_config.json``. :class:`Tokenizer` reproduces
 transformers' ``encode`` / ``decode`` / ``apply_chat_template`` on them, and
 :class:`IncrementalDecoder` turns a stream of token ids into text pieces whose
-concatenation equals ``decode`` of all ids (multi-token UTF-8 characters included).
+concatenation equals ``decode`` of all ids (multi-token UTF-8 characters included), over
+``tokenizers.decoders.DecodeStream``.
 """
 
 from __future__ import annotations
@@ -127,6 +128,11 @@ class Tokenizer:
         return cls(backend, config, template, gen)
 
     # -- basic API ---------------------------------------------------------------------------
+
+    @property
+    def backend(self):
+        """The underlying ``tokenizers.Tokenizer`` (its decoder pipeline drives streaming)."""
+        return self._tok
 
     @property
     def vocab_size(self) -> int:
@@ -250,46 +256,54 @@ class Tokenizer:
 
 
 class IncrementalDecoder:
-    """Streams text from token ids, one token at a time.
+    """Streams text from token ids, one token at a time, over ``tokenizers``' own
+    streaming decoder (:class:`tokenizers.decoders.DecodeStream`).
 
     Byte-level BPE (GPT-2 style) splits one UTF-8 character (emoji, CJK) across
     several tokens, and SentencePiece-style decoders strip a leading space only at
-    the start of a text; decoding token by token is therefore wrong. This keeps a
-    short window of ids: each :meth:`push` decodes ``ids[prefix:]`` and
-    ``ids[prefix:read]`` and emits the difference, holding text back while it ends in
-    an incomplete character (U+FFFD) (the scheme of Hugging Face TGI / vLLM's
-    ``detokenize_incrementally``). :meth:`flush` emits what is still held back.
+    the start of a text; decoding token by token is therefore wrong. ``DecodeStream``
+    keeps a short window of ids, decodes it with the tokenizer's decoder pipeline and
+    emits the new text once it ends in a complete character (the scheme of Hugging Face
+    TGI / vLLM's ``detokenize_incrementally``). :meth:`flush` emits what is still held
+    back (an incomplete character at the end of the stream), from one full decode.
 
-    Invariant: ``"".join(pieces) + flush() == tokenizer.decode(all_ids)``.
+    Invariant: ``"".join(pieces) + flush() == tokenizer.decode(all_ids)`` (for folders
+    whose ``clean_up_tokenization_spaces`` applies, each piece is cleaned up on its own:
+    a space and the punctuation after it in two different pieces stay apart).
 
     Args:
-        tokenizer: a :class:`Tokenizer` (or any object with ``decode(ids, skip_special_tokens)``).
+        tokenizer: a :class:`Tokenizer`.
         skip_special_tokens: as in ``decode``.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self._prefix = 0   # start of the decode window
         self._read = 0     # ids[:read] have been emitted
         self._emitted: list[str] = []
+        self._stream = self._new_stream()
 
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+    def _new_stream(self):
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(skip_special_tokens=self.skip_special_tokens)
+
+    def _emit(self, piece: str) -> str:
+        if self.tokenizer.clean_up_tokenization_spaces:
+            piece = clean_up_tokenization(piece)
+        if piece:
+            self._emitted.append(piece)
+        return piece
 
     def push(self, token_id: int) -> str:
         """Add one id; return the newly completed text (possibly ``""``)."""
         self.ids.append(int(token_id))
-        prefix_text = self._decode(self.ids[self._prefix:self._read])
-        new_text = self._decode(self.ids[self._prefix:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd") \
-                and new_text.startswith(prefix_text):
-            piece = new_text[len(prefix_text):]
-            self._prefix, self._read = self._read, len(self.ids)
-            self._emitted.append(piece)
-            return piece
-        return ""
+        piece = self._stream.step(self.tokenizer.backend, int(token_id))
+        if piece is None:
+            return ""
+        self._read = len(self.ids)
+        return self._emit(piece)
 
     def push_many(self, token_ids: Iterable[int]) -> str:
         """Push several ids; return the concatenated pieces."""
@@ -299,11 +313,12 @@ class IncrementalDecoder:
         """Emit any text held back (e.g. an incomplete character at the end of the stream)."""
         if self._read >= len(self.ids):
             return ""
-        # One full decode at the end keeps the invariant even if a window decode was odd.
-        full = self._decode(self.ids)
+        # One full decode at the end keeps the invariant for the held-back tail.
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         done = self.text
         piece = full[len(done):] if full.startswith(done) else ""
-        self._prefix = self._read = len(self.ids)
+        self._read = len(self.ids)
+        self._stream = self._new_stream()     # a later push starts a fresh window
         if piece:
             self._emitted.append(piece)
         return piece
@@ -316,5 +331,6 @@ class IncrementalDecoder:
     def reset(self) -> None:
         """Forget every id (start a new stream)."""
         self.ids.clear()
-        self._prefix = self._read = 0
+        self._read = 0
         self._emitted.clear()
+        self._stream = self._new_stream()
