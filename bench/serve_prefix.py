@@ -36,8 +36,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT)]
+import benchlib
+
+ROOT = benchlib.ROOT
 
 CACHE = ROOT / "bench" / ".cache" / "serve_prefix"
 SYSTEM = "You are a helpful assistant. Answer briefly."
@@ -53,7 +54,7 @@ def build_export() -> Path:
     ckpt, onnx = CACHE / "rtn4-g64", CACHE / "rtn4-g64-onnx"
     if (onnx / "model.onnx").is_file():
         return onnx
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = benchlib.worker_env()
     cli = [sys.executable, "-m", "edgeprune.cli"]
     if not (ckpt / "config.json").is_file():
         subprocess.run(cli + ["compress", "smollm2-135m", "--method", "rtn", "--bits", "4",
@@ -78,8 +79,7 @@ def conversation(sess, turns: int, answer_tokens: int) -> tuple[list, object]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--export", help="export folder (default: build SmolLM2 RTN int4 into the cache)")
-    ap.add_argument("--json", help="write the records here")
-    ap.add_argument("--quick", action="store_true", help="1 round, 16-token answers")
+    benchlib.add_common_args(ap, "1 round, 16-token answers")
     ap.add_argument("--repeat", type=int, default=None, help="rounds (default 5, quick 1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--turns", type=int, default=5)
@@ -109,19 +109,19 @@ def main(argv=None) -> int:
               f"{last.cached_tokens} cached; first token {last.ttft_ms:.1f} ms with reuse, "
               f"{ref.ttft_ms:.1f} ms recomputed; same answer tokens: {same[-1]}")
     med_r, med_p = statistics.median(t_reuse), statistics.median(t_plain)
-    record = {"case": f"turn{a.turns}/t{a.threads}", "metric": "ttft_ms", "reuse": med_r,
-              "recompute": med_p, "ratio": med_p / med_r if med_r > 0 else None,
-              "prompt_tokens": last.prompt_tokens[0], "cached_tokens": last.cached_tokens,
-              "same_tokens": all(same), "rounds": rounds, "answer_tokens": answer,
-              "export": str(folder)}
+    case = f"turn{a.turns}/t{a.threads}"
+    peer = "recompute (same export, no prefix reuse)"
+    records = [benchlib.record(case, "ttft_ms", med_r, peer=peer, theirs=med_p),
+               benchlib.record(case, "prompt_tokens", last.prompt_tokens[0]),
+               benchlib.record(case, "cached_tokens", last.cached_tokens),
+               benchlib.record(case, "same_answer_tokens", int(all(same))),
+               benchlib.note_record(case, f"{rounds} rounds, {answer}-token answers, export {folder}")]
+    record = {"case": case, "reuse_ttft_ms": med_r, "recompute_ttft_ms": med_p,
+              "ratio": med_p / med_r if med_r > 0 else None, "same_tokens": all(same)}
     reuse.close()
     plain.close()
     if a.json:
-        sys.path.insert(0, str(ROOT / "bench"))
-        from _peers import write_json_records
-
-        write_json_records(a.json, [record])
-        print(f"wrote {a.json}")
+        benchlib.write_records(a.json, records)
     print(json.dumps(record))
     print(f"turn-{a.turns} time to first token: {med_p:.1f} ms recomputed / {med_r:.1f} ms with "
           f"prefix reuse = {record['ratio']:.2f}x")
