@@ -145,8 +145,9 @@ class Session(GenerationLoop):
                                    "there)", "copy the whole folder again, or re-run `edgeprune export`")
         have = data.stat().st_size if isinstance(want, int) and data.is_file() else want
         if have != want:
-            raise RuntimeLoadError(f"{data} is truncated or altered ({have:,} bytes, "
-                                   f"the export wrote {want:,})",
+            raise RuntimeLoadError(f"{data} is truncated or altered ({have:,} bytes, the "
+                                   f"export wrote {want:,}), or edgeprune.json's data_bytes "
+                                   "was edited",
                                    "copy the folder again, or re-run `edgeprune export`")
         memory.small_page_cache(data, self.meta.get("row_read_ranges"))
         collapse = huge_pages and self.device == "cpu"
@@ -409,8 +410,21 @@ class Session(GenerationLoop):
         if lookup[0]:
             self._check_lookup(len(prompts))
         # arguments are checked now (an error at the call, not at the first next())
-        return self._locked(prompts, int(max_new_tokens), sampler, stop, streaming, need,
-                            lookup), stop
+        return self._naming_files(self._locked(prompts, int(max_new_tokens), sampler, stop,
+                                               streaming, need, lookup)), stop
+
+    def _naming_files(self, gen):
+        """The loop ``gen``, its non-finite-logits error (the sampler's, which knows no
+        folder) naming the graph that produced them and what to do."""
+        try:
+            yield from gen
+        except GenerationError as e:
+            if not e.message.startswith("logits contain"):
+                raise
+            raise GenerationError(f"{e.message}: the graph {self.folder / 'model.onnx'} (weights "
+                                  "in model.onnx.data) produced them",
+                                  "its files are damaged, or an fp16 export overflows: copy the "
+                                  "folder again, or re-run `edgeprune export` (fp32 or int4)") from None
 
     # ---------------------------------------------------------------- close
     def close(self) -> None:

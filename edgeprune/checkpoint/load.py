@@ -225,8 +225,9 @@ def _decode_quantized(tensors: dict, modules: dict, qcfg: dict, where: Path
         with _damaged(where.parent / "config.json", f"the quantization_config of {name}"):
             args = _scheme_for(name, modules.get(name), qcfg)
         if args is None:
-            raise CheckpointError(f"{name} has a weight_scale but no config group targets it",
-                                  "the checkpoint's quantization_config is inconsistent")
+            raise CheckpointError(f"{name} has a weight_scale in {where.name} but no config group of "
+                                  f"{where.parent / 'config.json'}'s quantization_config targets it",
+                                  "the checkpoint's quantization_config is inconsistent: " + CHECKPOINT_FIX)
         with _damaged(where, f"the quantized layer {name}"):
             qw = _decode_layer(name, args, tensors)
             mod = modules.get(name)
@@ -300,9 +301,10 @@ def _load_state(model, state: dict, folder: Path) -> bool:
     allowed_missing = {head_name} if tied else set()
     bad_missing = [m for m in missing if m not in allowed_missing]
     if bad_missing or unexpected:
-        raise CheckpointError(f"checkpoint {folder} does not match its config: missing "
-                              f"{bad_missing[:5]}, unexpected {list(unexpected)[:5]}",
-                              "the folder is incomplete or from another architecture")
+        raise CheckpointError(f"checkpoint {folder} does not match its config: {where.name} "
+                              f"lacks {bad_missing[:5]} and has unexpected {list(unexpected)[:5]} "
+                              "for the model config.json describes",
+                              "the folder is incomplete or from another architecture: " + CHECKPOINT_FIX)
     if tied:
         model.tie_weights()
     if emb_name and emb_name not in state:
@@ -343,14 +345,22 @@ def _read_tokenizer(folder: Path):
     """
     if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    for name in _TOKENIZER_JSON:
-        if (folder / name).exists():
-            read_json_object(folder / name)
+    present = [n for n in _TOKENIZER_JSON if (folder / n).exists()]
+    for name in present:
+        read_json_object(folder / name)
+    if "tokenizer.json" in present:
+        from tokenizers import Tokenizer
+        try:
+            Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
+            raise CheckpointError(f"{folder / 'tokenizer.json'} is not a tokenizer "
+                                  f"({' '.join(str(e).split())[:200]})", CHECKPOINT_FIX) from None
     from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - tokenizers / transformers raise many types
-        raise CheckpointError(f"the tokenizer files of {folder} cannot be read "
+        named = ", ".join(n for n in present if n != "tokenizer.json") or "tokenizer files"
+        raise CheckpointError(f"the tokenizer settings of {folder} ({named}) cannot be read "
                               f"({type(e).__name__}: {' '.join(str(e).split())[:200]})",
                               CHECKPOINT_FIX) from None
 
