@@ -350,6 +350,7 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
         moved = [m for m in model.modules() if id(m) not in in_blocks]
         for mod in moved:
             move_own_tensors(mod, device)
+    bar = None
     try:
         # data-free recipes (magnitude / RTN without error measurement) need no forward pass
         need_data = measure_errors or not all(m.data_free for m in methods)
@@ -358,7 +359,6 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
             with torch.no_grad():
                 batches = capture_block_inputs(model, blocks, calib_ids, attention_mask, batch_size, device)
         watch = FiniteWatch(batches, next(model.parameters()).dtype) if check_finite and need_data else None
-        bar = None
         if progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(blocks), desc="compress", unit="block", leave=True)
@@ -402,11 +402,11 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
             block.to(blk_dev)
             if bar is not None:
                 bar.update(1)
-        if bar is not None:
-            bar.close()
         if watch is not None:
             watch.check_logits(model, prefix, batches)
     finally:
+        if bar is not None:           # also on an error: its line ends before the error's
+            bar.close()
         for mod in moved:
             move_own_tensors(mod, base_dev)
         model.train(was_training)
