@@ -16,8 +16,9 @@ from ..quantize import QuantizedWeight
 from .format import (CHECKPOINT_JSON, MASKS_FILE, QPARAMS_FILE, WEIGHTS_FILE, CheckpointInfo,
                      embedding_names, text_config)
 from .pack import unpack_int32, unpack_mask
-from .validate import (CHECKPOINT_FIX, check_config, read_json_object, safetensors_header,
-                       shape_mismatch, transformers_config, weight_files)
+from .validate import (CHECKPOINT_FIX, TOKENIZER_JSON, check_config, check_tokenizer_files,
+                       read_json_object, safetensors_header, shape_mismatch, transformers_config,
+                       weight_files)
 
 #: what a damaged ``edgeprune_checkpoint.json`` field must be: (type, what to call it)
 _RECORD_FIELDS = {"format": (str, "a string"), "tied_embeddings": (str, "a string"),
@@ -145,7 +146,7 @@ def _empty_model(folder: Path):
     try:
         with no_init_weights():
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    except (ValueError, TypeError, KeyError, RuntimeError, AttributeError) as e:
+    except (ValueError, TypeError, KeyError, RuntimeError, AttributeError, AssertionError) as e:
         raise CheckpointError(f"{folder / 'config.json'} does not describe a model transformers "
                               f"can build ({type(e).__name__}: {str(e)[:200]})", CHECKPOINT_FIX) from None
 
@@ -333,35 +334,23 @@ def _read_masks(folder: Path, record: dict, modules: dict) -> tuple[dict, dict]:
     return masks, patterns
 
 
-#: the tokenizer files a checkpoint may hold that are JSON objects
-_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
 def _read_tokenizer(folder: Path):
-    """The folder's tokenizer (``None`` without tokenizer files).
+    """The folder's tokenizer (``None`` without tokenizer files), its files checked first
+    (:func:`~edgeprune.checkpoint.validate.check_tokenizer_files`).
 
     Raises:
         CheckpointError: a damaged tokenizer file, naming it.
     """
     if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    present = [n for n in _TOKENIZER_JSON if (folder / n).exists()]
-    for name in present:
-        read_json_object(folder / name)
-    if "tokenizer.json" in present:
-        from tokenizers import Tokenizer
-        try:
-            Tokenizer.from_file(str(folder / "tokenizer.json"))
-        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
-            raise CheckpointError(f"{folder / 'tokenizer.json'} is not a tokenizer "
-                                  f"({' '.join(str(e).split())[:200]})", CHECKPOINT_FIX) from None
+    check_tokenizer_files(folder)
     from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - tokenizers / transformers raise many types
-        named = ", ".join(n for n in present if n != "tokenizer.json") or "tokenizer files"
-        raise CheckpointError(f"the tokenizer settings of {folder} ({named}) cannot be read "
-                              f"({type(e).__name__}: {' '.join(str(e).split())[:200]})",
+        named = ", ".join(n for n in TOKENIZER_JSON if n != "tokenizer.json" and (folder / n).exists())
+        raise CheckpointError(f"the tokenizer settings of {folder} ({named or 'tokenizer files'}) "
+                              f"cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:200]})",
                               CHECKPOINT_FIX) from None
 
 

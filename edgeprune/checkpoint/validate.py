@@ -10,6 +10,7 @@ from ``json``, ``safetensors``, ``transformers`` or ``torch`` (and never an unpi
   the file's size without loading a tensor (a truncated or damaged file is named).
 * :func:`refuse_pickles`: a folder whose weights are pickles (``pytorch_model.bin``...),
   refused: unpickling runs code.
+* :func:`check_tokenizer_files`: the tokenizer's JSON files parse and build.
 * :func:`check_model_folder`: all of them for a Hugging Face folder (a plain model, the
   GGUF conversion cache, a checkpoint).
 
@@ -98,6 +99,9 @@ def check_config_fields(cfg: dict, path: Path, *, error: type = CheckpointError,
             v = c.get(k)
             if v is not None and not isinstance(v, str):
                 raise bad(k, v, "a string")
+        pad, vocab = c.get("pad_token_id"), c.get("vocab_size")
+        if pad is not None and not (_whole(pad) and (vocab is None or -vocab <= pad < vocab)):
+            raise bad("pad_token_id", pad, f"a token id below vocab_size={vocab}")
         heads, kv = c.get("num_attention_heads"), c.get("num_key_value_heads")
         if heads and kv and heads % kv:
             raise error(f"{path}: num_attention_heads={heads} is not a multiple of "
@@ -247,8 +251,7 @@ def check_model_folder(folder: Path, *, error: type = CheckpointError, fix: str 
     """Every file a Hugging Face model folder is loaded from, checked before transformers
     reads it: ``config.json`` (:func:`check_config`, then transformers' config class when
     ``build_config``), the weights (no pickles; each safetensors header,
-    :func:`safetensors_header`), and ``tokenizer.json`` / ``tokenizer_config.json`` as
-    JSON objects.
+    :func:`safetensors_header`), and the tokenizer files (:func:`check_tokenizer_files`).
 
     Args:
         folder: the model folder.
@@ -272,10 +275,49 @@ def check_model_folder(folder: Path, *, error: type = CheckpointError, fix: str 
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     for f in weight_files(folder, error=error, fix=fix):
         tensors.update(safetensors_header(f, error=error, fix=fix))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (folder / name).exists():
-            read_json_object(folder / name, error=error, fix=fix)
+    check_tokenizer_files(folder, error=error, fix=fix)
     return tensors
+
+
+#: the tokenizer files of a model folder that are JSON objects
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+#: the special-token fields of ``tokenizer_config.json``: a string or an AddedToken object
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                   "mask_token")
+
+
+def check_tokenizer_files(folder: Path, *, error: type = CheckpointError,
+                          fix: str = CHECKPOINT_FIX) -> None:
+    """The folder's tokenizer files: JSON objects; ``tokenizer.json`` a tokenizer the
+    ``tokenizers`` library builds; the special tokens of ``tokenizer_config.json`` strings
+    or AddedToken objects.
+
+    Raises:
+        error: naming the file (and the field).
+    """
+    folder = Path(folder)
+    data = {n: read_json_object(folder / n, error=error, fix=fix)
+            for n in TOKENIZER_JSON if (folder / n).exists()}
+    if "tokenizer.json" in data:
+        if not isinstance(data["tokenizer.json"].get("added_tokens"), list):   # transformers reads it
+            raise error(f"{folder / 'tokenizer.json'}: field 'added_tokens' is not a list", fix)
+        from tokenizers import Tokenizer
+        try:
+            Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
+            raise error(f"{folder / 'tokenizer.json'} is not a tokenizer "
+                        f"({' '.join(str(e).split())[:200]})", fix) from None
+    tc = data.get("tokenizer_config.json", {}).get("tokenizer_class")
+    if tc is not None and not isinstance(tc, str):
+        raise error(f"{folder / 'tokenizer_config.json'}: field 'tokenizer_class' = {str(tc)[:60]!r} "
+                    "is not a class name", fix)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        for k in _SPECIAL_TOKENS:
+            v = data.get(name, {}).get(k)
+            if v is not None and not isinstance(v, str) and not (
+                    isinstance(v, dict) and isinstance(v.get("content"), str)):
+                raise error(f"{folder / name}: field {k!r} = {str(v)[:60]!r} is not a token "
+                            "string or an AddedToken object", fix)
 
 
 def shape_mismatch(expected: dict, found: dict, where: Path, *, error: type = CheckpointError,
@@ -294,4 +336,5 @@ def shape_mismatch(expected: dict, found: dict, where: Path, *, error: type = Ch
 
 __all__ = ["read_json_object", "check_config", "check_config_fields", "transformers_config",
            "safetensors_header", "weight_files", "refuse_pickles", "check_model_folder",
+           "check_tokenizer_files", "TOKENIZER_JSON",
            "shape_mismatch", "SAFETENSORS_DTYPES", "PICKLE_WEIGHTS", "CHECKPOINT_FIX"]
