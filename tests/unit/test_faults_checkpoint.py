@@ -14,24 +14,9 @@ import torch
 
 from _cli import one_line_error, run_cli
 from edgeprune.errors import CheckpointError, ModelLoadError
+from test_cli_inputs import model_dir  # noqa: F401 - the tiny saved llama, a fixture
 
 CAL = ["--calib", "default", "--nsamples", "2", "--seqlen", "32"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    """A tiny random llama + byte-level tokenizer saved as a Hugging Face folder."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from tiny import byte_tokenizer
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    d = tmp_path_factory.mktemp("faults") / "tiny"
-    AutoModelForCausalLM.from_config(cfg).float().eval().save_pretrained(d)
-    byte_tokenizer().save_pretrained(d)
-    return d
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_cli_inputs import model_dir  # noqa: F401 - the tiny saved llama, a fixture
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -120,21 +122,6 @@ def _previous_intact(out: Path, before: dict) -> None:
 def _only(parent: Path, *names: str) -> None:
     """``parent`` holds exactly ``names``: no temporary folder, set-aside output or lock."""
     assert sorted(p.name for p in parent.iterdir()) == sorted(names)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from tiny import byte_tokenizer
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    d = tmp_path_factory.mktemp("kill") / "tiny"
-    AutoModelForCausalLM.from_config(cfg).float().eval().save_pretrained(d)
-    byte_tokenizer().save_pretrained(d)
-    return d
 
 
 def _killed_runs(argv, outs: Path, out: Path, fresh: Path, points: tuple) -> int:
