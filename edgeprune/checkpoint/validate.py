@@ -44,7 +44,7 @@ _NUMBERS = ("rms_norm_eps", "rope_theta", "initializer_range", "attention_dropou
 _BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 _TEXTS = ("model_type", "hidden_act", "torch_dtype", "dtype")
 #: what to do about a damaged checkpoint file
-CHECKPOINT_FIX = "the checkpoint is damaged: copy it again, or save it again (`edgeprune compress ... --out`)"
+CHECKPOINT_FIX = "copy the checkpoint again, or save it again (`edgeprune compress ... --out`)"
 
 
 def _whole(v) -> bool:
