@@ -19,6 +19,12 @@ Memory is bounded by one block's activations (``nsamples x seqlen x hidden``) pl
 block's Hessians. Padded positions (``attention_mask == 0``) and tokens whose activations
 are NaN/inf never enter a statistic.
 
+Nothing is downgraded silently: a layer whose method fell back to another (RTN,
+magnitude, AWQ without its scaling) is listed in :attr:`CompressionResult.fallbacks` and
+counted in one :class:`FallbackWarning`; a compressed model whose activations or logits
+stop being finite on the calibration windows fails the run, naming the layer
+(:mod:`edgeprune.finite`).
+
 The model is modified IN PLACE: every compressed linear holds its dense equivalent
 (masked weight, or dequantized fake-quant weight in the original dtype), so the PyTorch
 model evaluates exactly what is exported; the integer codes are in
