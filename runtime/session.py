@@ -141,10 +141,14 @@ class Session(GenerationLoop):
         so = self._session_options()
         data = self.folder / "model.onnx.data"
         want = self.meta.get("data_bytes")
+        if isinstance(want, int) and want > 0 and not data.is_file():
+            raise RuntimeLoadError(f"{data} is missing (the export wrote {want:,} bytes of weights "
+                                   "there)", "copy the whole folder again, or re-run `edgeprune export`")
         have = data.stat().st_size if isinstance(want, int) and data.is_file() else want
         if have != want:
-            raise RuntimeLoadError(f"{data} is truncated or altered ({have:,} bytes, "
-                                   f"the export wrote {want:,})",
+            raise RuntimeLoadError(f"{data} is truncated or altered ({have:,} bytes, the "
+                                   f"export wrote {want:,}), or edgeprune.json's data_bytes "
+                                   "was edited",
                                    "copy the folder again, or re-run `edgeprune export`")
         memory.small_page_cache(data, self.meta.get("row_read_ranges"))
         collapse = huge_pages and self.device == "cpu"
@@ -158,6 +162,10 @@ class Session(GenerationLoop):
         except RuntimeLoadError:
             raise
         except Exception as e:  # noqa: BLE001  (onnxruntime raises several types)
+            if not data.is_file() and "external data" in str(e).lower():   # exports without data_bytes
+                raise RuntimeLoadError(f"{data} is missing (model.onnx keeps its weights there)",
+                                       "copy the whole folder again, or re-run `edgeprune export`"
+                                       ) from e
             raise RuntimeLoadError(f"onnxruntime cannot load {self.folder / 'model.onnx'}: "
                                    f"{str(e).splitlines()[0][:600]}",
                                    "the file is corrupt or incomplete; re-run `edgeprune export`"
@@ -381,8 +389,21 @@ class Session(GenerationLoop):
         if lookup[0]:
             self._check_lookup(len(prompts))
         # arguments are checked now (an error at the call, not at the first next())
-        return self._locked(prompts, int(max_new_tokens), sampler, stop, streaming, need,
-                            lookup), stop
+        return self._naming_files(self._locked(prompts, int(max_new_tokens), sampler, stop,
+                                               streaming, need, lookup)), stop
+
+    def _naming_files(self, gen):
+        """The loop ``gen``, its non-finite-logits error (the sampler's, which knows no
+        folder) naming the graph that produced them and what to do."""
+        try:
+            yield from gen
+        except GenerationError as e:
+            if not e.message.startswith("logits contain"):
+                raise
+            raise GenerationError(f"{e.message}: the graph {self.folder / 'model.onnx'} (weights "
+                                  "in model.onnx.data) produced them",
+                                  "its files are damaged, or an fp16 export overflows: copy the "
+                                  "folder again, or re-run `edgeprune export` (fp32 or int4)") from None
 
     # ---------------------------------------------------------------- close
     def close(self) -> None:
@@ -431,6 +452,9 @@ def _check_meta(meta: dict) -> None:
               "hidden_size"):
         if k in meta and meta[k] is not None and not (whole(meta[k]) and meta[k] >= 1):
             raise ValueError(f"field {k!r} = {meta[k]!r} is not a positive integer")
+    if "data_bytes" in meta and meta["data_bytes"] is not None and not (
+            whole(meta["data_bytes"]) and meta["data_bytes"] >= 0):
+        raise ValueError(f"field 'data_bytes' = {meta['data_bytes']!r} is not a byte count")
     eos = meta.get("eos_token_id")
     if eos is not None and not (whole(eos) or (isinstance(eos, list) and all(whole(e) for e in eos))):
         raise ValueError(f"field 'eos_token_id' = {eos!r} is not a token id or a list of them")
