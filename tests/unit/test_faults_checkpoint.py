@@ -150,7 +150,6 @@ def test_checkpoint_of_a_remote_code_folder_holds_no_auto_map(model_dir, tmp_pat
     load_checkpoint(tmp_path / "ck")
 
 
-@pytest.mark.xfail(strict=False, reason="export verb adopts claim_out_dir in the variants merge")
 def test_export_into_a_read_only_location_fails_before_loading(model_dir, ck_dir, monkeypatch, capsys):
     """``export`` checks OUT up front, as run / compress / leank / profile do: not after
     loading the model as "internal error: OSError: [Errno 30] Read-only file system"."""
