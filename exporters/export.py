@@ -19,11 +19,13 @@ import onnx
 from runtime.errors import ExportError, UnsupportedArchitectureError
 from runtime.session import GRAPH_MAX_LENGTH_KEY
 
-from .decoder import BUILDERS, BuildOptions, DecoderSpec, accuracy_level_for, name_ends_with
+from .decoder import BuildOptions, accuracy_level_for, name_ends_with
+from .families import BUILDERS
 from .folder import (atomic_folder, check_disk, check_out_dir, row_read_ranges, save_external,
                      save_tokenizer, write_json)
 from .int4 import DEFAULT_GROUP_SIZE
 from .metadata import export_metadata, genai_config
+from .spec import DecoderSpec
 from .variants import EXPORT_VARIANTS, compose_builder, variant_entries
 
 EXTERNAL_DATA_THRESHOLD = 2 * 1024 ** 3 - (64 << 20)
