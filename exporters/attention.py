@@ -13,8 +13,9 @@ builds each layer's attention from the normed hidden states to the ``o_proj`` ou
   is ``opts.local_kv``:
 
   - ``"full"``: the cache of every layer spans the context; fused graphs pass
-    ``local_window_size = window - 1`` to ``GroupQueryAttention`` (it attends to
-    ``local_window_size + 1`` keys, the query's own included);
+    ``local_window_size = window`` to ``GroupQueryAttention`` (onnxruntime 1.32's CPU
+    kernel then attends to ``window`` keys, the query's own included: tested against
+    transformers on a tiny Gemma 3; onnxruntime-genai's Gemma builder passes the same);
   - ``"ring"``: the layer keeps only its window. Plain graphs: ``present`` is the last
     ``window`` positions of ``past ++ new`` (``[B, KV, min(past + S, window), D]``), the
     attention mask's last columns say which are real. Fused graphs: ``past_key_values.i.*``
@@ -136,7 +137,7 @@ class AttentionMixin:
                      outputs=[g.unique(name + "/out"), ok, ov],
                      num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=1,
                      rotary_interleaved=0, scale=self.attention_scale(),
-                     local_window_size=s.sliding_window - 1 if local else None,
+                     local_window_size=s.sliding_window if local else None,
                      softcap=s.attn_softcap or None)
         g.output(ok, self.ftype, ["batch_size", s.num_kv_heads, "max_length", self.key_head_dim(i)])
         g.output(ov, self.ftype, ["batch_size", s.num_kv_heads, "max_length", s.head_dim])
