@@ -67,6 +67,8 @@ class BuildOptions:
     quantized: dict = field(default_factory=dict)
     #: ``{variant name: spec dict}`` read by the variant mixins (``exporters.variants``)
     variants: dict = field(default_factory=dict)
+    #: an untied embedding table: ``fp`` | ``q8`` | ``int4``; None: the builder's default_embedding()
+    embedding: Optional[str] = None
     #: cache of sliding-window layers: ``full`` | ``ring`` (``exporters.attention``);
     #: ``None``: ``ring`` on plain graphs, ``full`` on fused ones
     local_kv: Optional[str] = None
@@ -109,6 +111,9 @@ class DecoderBuilder(AttentionMixin, MlpMixin, EmbeddingHeadMixin, LinearMixin):
 
     #: the graph builds sliding-window layers (else a sliding config limits max_length)
     sliding_window_graph = False
+    #: a norm without residual squares with ``Pow`` (onnxruntime then fuses the pattern
+    #: into one ``SimplifiedLayerNormalization``; ``x * x`` is left as 6 nodes)
+    fusable_rmsnorm = False
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -143,6 +148,8 @@ class DecoderBuilder(AttentionMixin, MlpMixin, EmbeddingHeadMixin, LinearMixin):
             opts.lm_head = self.default_lm_head()
         if opts.lm_head not in ("fp", "q8", "int4"):
             raise ExportError(f"lm_head='{opts.lm_head}' is unknown", "use fp, q8 or int4")
+        if opts.embedding not in (None, "fp", "q8", "int4"):
+            raise ExportError(f"embedding='{opts.embedding}' is unknown", "use fp, q8 or int4")
         if opts.local_kv is None:
             # plain graphs run a windowed cache as they are; the fused ring needs the
             # runtime's ring bookkeeping (runtime.kv_cache.RingKVCache)
@@ -259,7 +266,8 @@ class DecoderBuilder(AttentionMixin, MlpMixin, EmbeddingHeadMixin, LinearMixin):
 
         ``y = x / sqrt(mean(x^2) + eps) * weight`` (Zhang & Sennrich 2019, as in
         LlamaRMSNorm). Fused: ``SkipSimplifiedLayerNormalization`` (its 4th output is
-        the sum); plain: ``Add`` + decomposed RMSNorm.
+        the sum); plain, or without ``residual``: ``Add`` + decomposed RMSNorm (squared
+        with ``Pow`` when ``fusable_rmsnorm``, which onnxruntime fuses back into one op).
         """
         g = self.g
         w = g.initializer(name + ".weight", weight.astype(self.fdtype))
@@ -271,8 +279,8 @@ class DecoderBuilder(AttentionMixin, MlpMixin, EmbeddingHeadMixin, LinearMixin):
                 return out, s
             x = g.add(x, residual, name=name + "/residual")
         xf = g.cast(x, TensorProto.FLOAT) if self.fdtype != np.float32 else x
-        var = g.node("ReduceMean", [g.mul(xf, xf), g.const([-1])], name=name + "/var",
-                     keepdims=1)
+        sq = g.node("Pow", [xf, g.const(2.0, np.float32)]) if self.fusable_rmsnorm else g.mul(xf, xf)
+        var = g.node("ReduceMean", [sq, g.const([-1])], name=name + "/var", keepdims=1)
         rs = g.node("Sqrt", [g.add(var, g.const(eps, np.float32))])
         y = g.div(xf, rs, name=name + "/normalize")
         if self.fdtype != np.float32:

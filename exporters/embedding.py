@@ -22,15 +22,58 @@ class EmbeddingHeadMixin:
     ``self.spec``, ``self.opts``; sets ``self._head_int``, ``self._head_tensors``,
     ``self._emb_name``)."""
 
+    #: why :meth:`default_lm_head` picks what it picks (``edgeprune.json`` ``head.policy``)
+    head_policy = ("int4 exports: an 8-bit head (small-model quality at 8-bit cost; an int4 "
+                   "head makes small models repeat themselves); float exports: the float table")
+
     def default_lm_head(self) -> str:
         """The ``lm_head`` mode when the export does not name one: ``q8`` for int4
         exports (small-model quality at 8-bit cost), ``fp`` otherwise."""
         return "q8" if self.opts.precision == "int4" else "fp"
 
+    def default_embedding(self) -> str:
+        """How an untied embedding table is stored when the export does not say: ``fp``
+        (the model's float table; a family may quantize it, :meth:`build_embedding`)."""
+        return "fp"
+
+    def head_record(self) -> dict:
+        """``edgeprune.json``'s ``head`` record (after ``build()``): how the head and the
+        embedding table are stored, their bytes, and the policy behind the default.
+
+        ``embedding``: ``"shared"`` (a tied table stored once: the head's quantized
+        ``MatMulNBits`` table, rows gathered and dequantized by the embedding; or the one
+        float table), ``"dequantized copy"`` (a tied quantized head on a plain graph: the
+        embedding holds the float values of the head's codes), ``"float"`` (an untied
+        float table) or the storage of an untied quantized one (``"int4 block 32 asym"``).
+        """
+        s, w = self.spec, self._head_int
+        item = np.dtype(self.fdtype).itemsize
+        table = s.vocab_size * s.hidden_size
+        if w is None:
+            head_bytes, storage = table * item, np.dtype(self.fdtype).name
+        else:
+            blob = w.block_size * w.bits // 8
+            zp = 0 if default_zero_points(w) else w.N * -(-w.n_blocks * w.bits // 8)
+            head_bytes = w.N * w.n_blocks * (blob + item) + zp
+            storage = f"int{w.bits} block {w.block_size} {'sym' if default_zero_points(w) else 'asym'}"
+        if s.tie_word_embeddings:
+            shared = w is None or self._head_tensors is not None
+            embedding = "shared" if shared else "dequantized copy"
+            emb_bytes = 0 if shared else table * item
+        elif self._emb_int is not None:
+            e = self._emb_int
+            embedding = f"int{e.bits} block {e.block_size} asym"
+            emb_bytes = e.N * e.n_blocks * (e.block_size * e.bits // 8 + item + 1)
+        else:
+            embedding, emb_bytes = "float", table * item
+        return {"mode": self.opts.lm_head, "storage": storage, "tied": s.tie_word_embeddings,
+                "embedding": embedding, "head_bytes": int(head_bytes),
+                "embedding_bytes": int(emb_bytes), "policy": self.head_policy}
+
     def build_embedding(self) -> str:
         """``input_ids [B,S]`` -> hidden ``[B,S,H]`` (q8 table shared with the head when tied)."""
         g, s = self.g, self.spec
-        self._head_int = None
+        self._head_int = self._emb_int = None
         head_mode = self.opts.lm_head
         tied = s.tie_word_embeddings
         if head_mode in ("q8", "int4"):
@@ -59,6 +102,18 @@ class EmbeddingHeadMixin:
                                   None if default_zero_points(w) else
                                   g.initializer("lm_head.qzeros", zp))
             return self._gather_quantized(w)
+        mode = self.opts.embedding or self.default_embedding()
+        if not tied and mode in ("q8", "int4"):
+            # an untied table quantized on its own (RTN asym; rows gathered and dequantized)
+            ew = rtn_int(self.param("model.embed_tokens.weight"), 8 if mode == "q8" else 4,
+                         q8_head_block(s.hidden_size) if mode == "q8" else 32)
+            self._emb_int = self.int_weights["model.embed_tokens"] = ew
+            B, sc, _ = pack_matmulnbits(ew)
+            self._head_tensors = None
+            return self._gather_quantized(ew, (g.initializer("embed_tokens.qweight", B),
+                                               g.initializer("embed_tokens.scales", sc.astype(self.fdtype)),
+                                               g.initializer("embed_tokens.qzeros", ew.zeros)),
+                                          packed_zeros=False)
         if tied and self._head_int is not None:
             # the head is quantized and tied: the embedding reads the same (dequantized)
             # table, as the model the export stands for does (plain graphs, or a table with
@@ -70,10 +125,12 @@ class EmbeddingHeadMixin:
         self._head_tensors = None
         return g.gather(self._emb_name, "input_ids", name="embed_tokens")
 
-    def _gather_quantized(self, w: IntWeight) -> str:
-        """Embedding rows from the packed head table: ``(code - zero) * scale``."""
+    def _gather_quantized(self, w: IntWeight, tensors=None, packed_zeros: bool = True) -> str:
+        """Embedding rows ``(code - zero) * scale`` gathered from a ``MatMulNBits``-layout
+        table: the tied head's (``tensors=None``: ``self._head_tensors``) or ``tensors``
+        ``(codes, scales, zeros)``; ``packed_zeros=False``: zeros ``uint8 [V, n_blocks]``."""
         g, s = self.g, self.spec
-        qB, qs, qz = self._head_tensors
+        qB, qs, qz = tensors or self._head_tensors
         nb, bs = w.n_blocks, w.block_size
         rows = g.gather(qB, "input_ids", name="embed_tokens")               # [B,S,nb,blob]
         if w.bits == 4:
@@ -87,7 +144,7 @@ class EmbeddingHeadMixin:
         sc = g.gather(scales, "input_ids", name="embed_tokens/scales")      # [B,S,nb,1]
         if qz is None:                      # symmetric grid: one zero point for all
             zz = g.const(2 ** (w.bits - 1), self.fdtype)
-        elif w.bits == 4:                   # packed 4-bit zero points: gather float copies
+        elif w.bits == 4 and packed_zeros:  # packed 4-bit zero points: gather float copies
             zfull = np.ascontiguousarray(w.zeros.astype(self.fdtype)[..., None])
             zz = g.gather(g.initializer("embed_tokens.zeros", zfull), "input_ids")
         else:

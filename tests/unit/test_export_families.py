@@ -242,3 +242,38 @@ def test_refusals(tiny_gemma3, tok, tmp_path):
         spec = DecoderSpec.from_model(tiny_gemma3)
         BUILDERS["gemma3_text"](tiny_gemma3, spec, BuildOptions(local_kv="window"))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_head_record(tiny_gemma3, tiny_qwen2, tok, tmp_path):
+    """edgeprune.json's ``head``: the head's storage and bytes, and whether the embedding
+    shares its table (tied, fused), holds a dequantized copy (tied, plain) or its own
+    (qwen2 int4 exports: a 4-bit table, gathered; the export's validation checks it)."""
+    cases = [(tiny_gemma3, "int4", "fused", "int8 block 64 asym", "shared"),
+             (tiny_gemma3, "int4", "plain", "int8 block 64 asym", "dequantized copy"),
+             (tiny_gemma3, "fp32", "fused", "float32", "shared"),
+             (tiny_qwen2, "int4", "fused", "int8 block 64 asym", "int4 block 32 asym"),
+             (tiny_qwen2, "int4", "plain", "int8 block 64 asym", "int4 block 32 asym"),
+             (tiny_qwen2, "fp16", "fused", "float16", "float")]
+    for model, precision, graph, storage, embedding in cases:
+        res = _export(model, tok, tmp_path / "h", precision=precision, graph=graph, validate=False)
+        head = res.metadata["head"]
+        V, H = model.config.vocab_size, model.config.hidden_size
+        assert (head["storage"], head["embedding"]) == (storage, embedding)
+        assert head["mode"] == ("q8" if precision == "int4" else "fp") and head["policy"]
+        item = 2 if precision == "fp16" else 4
+        assert head["head_bytes"] == (V * H * item if precision != "int4" else V * (H + 4 + 1))
+        assert head["embedding_bytes"] == {"shared": 0, "int4 block 32 asym": V * 2 * (16 + 4 + 1)}.get(
+            embedding, V * H * item)
+
+
+def test_export_keywords_embedding_and_local_kv(tiny_gemma3, tiny_qwen2, tok, tmp_path):
+    """export_onnx(embedding=..., local_kv=...): an untied 8-bit table on request (exact
+    against the model with that table, the export's validation), the fused ring recorded
+    with its static window; unknown values refused."""
+    res = _export(tiny_qwen2, tok, tmp_path / "q", precision="int4", embedding="q8")
+    assert res.metadata["head"]["embedding"] == "int8 block 64 asym"
+    res = _export(tiny_gemma3, tok, tmp_path / "g", local_kv="ring", validate=False)
+    sw = res.metadata["kv_layout"]["sliding_window"]
+    assert (sw["cache"], sw["past_length"]) == ("ring", WINDOW) and "ring slot" in sw["present"]
+    with pytest.raises(ExportError, match="embedding='int2' is unknown"):
+        _export(tiny_qwen2, tok, tmp_path / "x", embedding="int2")
