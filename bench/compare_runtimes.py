@@ -223,7 +223,7 @@ def quality(folder: Path, nwindows: int, log) -> list[dict]:
     import runtime
     from edgeprune.evaluate import perplexity
     from edgeprune.models import load_model
-    from exporters.decoder import BUILDERS, BuildOptions, DecoderSpec
+    from exporters import BUILDERS, BuildOptions, DecoderSpec
     from exporters.validate import substituted_weights
     model, tok = load_model("smollm2-135m")
     text = benchlib.WIKI

@@ -15,9 +15,11 @@ specs arrive as plain dicts.
 from __future__ import annotations
 
 from . import countdown, leank, sparse24  # noqa: F401  (register the built-in graph variants)
-from .decoder import BUILDERS, BuildOptions, DecoderSpec
+from .decoder import BuildOptions
 from .export import ExportResult, check_export_args, export_onnx, make_builder
+from .families import BUILDERS
 from .metadata import FORMAT_VERSION
+from .spec import DecoderSpec
 from .variants import EXPORT_VARIANTS, register_export_variant
 
 __all__ = ["export_onnx", "check_export_args", "make_builder", "ExportResult", "DecoderSpec",

@@ -19,11 +19,13 @@ import onnx
 from runtime.errors import ExportError, UnsupportedArchitectureError
 from runtime.session import GRAPH_MAX_LENGTH_KEY
 
-from .decoder import BUILDERS, BuildOptions, DecoderSpec, accuracy_level_for, name_ends_with
+from .decoder import BuildOptions, accuracy_level_for, name_ends_with
+from .families import BUILDERS
 from .folder import (atomic_folder, check_disk, check_out_dir, row_read_ranges, save_external,
                      save_tokenizer, write_json)
 from .int4 import DEFAULT_GROUP_SIZE
 from .metadata import export_metadata, genai_config
+from .spec import DecoderSpec
 from .variants import EXPORT_VARIANTS, compose_builder, variant_entries
 
 EXTERNAL_DATA_THRESHOLD = 2 * 1024 ** 3 - (64 << 20)
@@ -230,12 +232,13 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
                 quantized: Optional[dict] = None, masks: Optional[dict] = None,
                 sparsity: Optional[dict] = None, sparse_24: bool = False,
                 variants: Optional[list] = None, graph: str = "fused",
-                lm_head: Optional[str] = None, accuracy_level: int = 4,
+                lm_head: Optional[str] = None, embedding: Optional[str] = None,
+                local_kv: Optional[str] = None, accuracy_level: int = 4,
                 accuracy_levels: Optional[dict] = None, group_size: int = DEFAULT_GROUP_SIZE,
                 max_length: Optional[int] = None, provenance: Optional[dict] = None,
                 overwrite: bool = False, validate: bool = True,
                 external_data: Optional[bool] = None, parity_tokens: int = 64) -> ExportResult:
-    """Export an HF llama/qwen2 decoder to an ONNX folder with a KV cache.
+    """Export an HF llama/qwen2/gemma3 decoder to an ONNX folder with a KV cache.
 
     Args:
         model: transformers ``*ForCausalLM`` whose weights are the dense equivalent of the
@@ -263,7 +266,15 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
             recorded in ``edgeprune.json`` under ``"variants"``.
         graph: ``fused`` (ORT contrib ops, shared KV buffer) | ``plain`` (standard ops).
         lm_head: ``q8`` (default for int4 and compact 2:4 exports) | ``fp`` (default
-            otherwise) | ``int4``.
+            otherwise) | ``int4``. The family's measured policy is recorded in
+            ``edgeprune.json`` ``head``.
+        embedding: an untied embedding table: ``fp`` | ``q8`` | ``int4`` (rows gathered
+            and dequantized); ``None``: the family's default (qwen2 int4 exports with a
+            quantized head: ``int4``; else ``fp``). A tied table follows the head.
+        local_kv: cache of sliding-window layers (Gemma 3): ``full`` (every layer spans
+            the context) | ``ring`` (only the window; fused graphs then need the runtime's
+            ``runtime.kv_cache.RingKVCache``); ``None``: ``ring`` on plain graphs, ``full``
+            on fused ones.
         accuracy_level: ``MatMulNBits`` compute type (4 = int8 activations, fastest on CPU;
             0 = fp32 compute).
         accuracy_levels: per-linear overrides ``{name suffix: level}``, e.g.
@@ -288,7 +299,7 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
     Raises:
         ExportError: bad options or variant specs, output path inside the input folder or
             existing, insufficient disk, a failed validation; nothing half-written is left.
-        UnsupportedArchitectureError: not a llama/qwen2 decoder or a non-Linear layer.
+        UnsupportedArchitectureError: not a llama/qwen2/gemma3 decoder or a non-Linear layer.
     """
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
@@ -303,7 +314,8 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
     levels = _check_levels(accuracy_levels)
     _check_inputs(model, tokenizer, out_dir, provenance, overwrite)
     spec = DecoderSpec.from_model(model)
-    opts = BuildOptions(precision=precision, graph=graph, lm_head=lm_head,
+    opts = BuildOptions(precision=precision, graph=graph, lm_head=lm_head, embedding=embedding,
+                        local_kv=local_kv,
                         accuracy_level=accuracy_level, accuracy_levels=levels,
                         max_length=_context_length(spec, max_length), group_size=group_size,
                         quantized=quantized, variants=dict(entries))

@@ -71,6 +71,7 @@ def export_metadata(model, builder, proto, *, quantized: dict, group_size: int,
         "precision": opts.precision, "graph": opts.graph,
         "quantization": _quantization(builder, quantized, group_size),
         "lm_head": opts.lm_head,
+        "head": builder.head_record(),
         # plain graphs' DequantizeLinear + MatMul pairs become MatMulNBits inside
         # onnxruntime at the session's level (its default is 4: int8 activations); the
         # runtime sets this one (a quantized head on float layers recorded none before)

@@ -21,8 +21,8 @@ conversion.
 Only the families of :data:`FAMILIES` (llama, qwen2, gemma3 text-only) are accepted
 (:data:`SUPPORTED_ARCHITECTURES` lists their ``model_type``); anything else fails from
 the file's header or ``config.json`` before weights are read. gemma3 loads (and
-:func:`describe` / :func:`decoder_layers` know it); its ONNX export is not available yet
-(:attr:`Family.exportable`).
+:func:`describe` / :func:`decoder_layers` know it) and exports
+(``exporters.families.Gemma3Builder``; :attr:`Family.exportable`).
 
 Modules: :mod:`.loading` (``load_model``), :mod:`.aliases`, :mod:`.assemble` (split
 files), :mod:`.convert` (GGUF to float), :mod:`.cache`, :mod:`.folder`,

@@ -35,7 +35,7 @@ class Family:
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", "llama", "llama"),
     Family("qwen2", "qwen2", "qwen2"),
-    Family("gemma3", "gemma3_text", "gemma3", exportable=False),
+    Family("gemma3", "gemma3_text", "gemma3"),
 )}
 
 #: model_type values (``config.json``) that load_model accepts.

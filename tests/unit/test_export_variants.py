@@ -88,7 +88,7 @@ def test_spec_file_errors(tmp_path):
 # ----------------------------------------------------------------- export registry
 def test_export_registry_composes_in_order_and_refuses_bad_requests(tiny_llama, tmp_path):
     import exporters
-    from exporters.decoder import LlamaBuilder
+    from exporters.families import LlamaBuilder
     from exporters.leank import LeanKMixin
     from exporters.sparse24 import Compact24Mixin
     from exporters.variants import compose_builder, variant_entries
