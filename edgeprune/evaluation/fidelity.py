@@ -119,12 +119,16 @@ def _greedy_callable(fn, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-def _greedy(model, fn, prompt: list[int], n: int) -> list[int]:
+def _greedy_fns(dense, model, f_dense, f_model):
+    """Greedy generators of both models: their backends (KV cache, stop at end-of-sequence)
+    when both have one, else the plain loop for both (the same rule on both sides)."""
     from .backends import RuntimeModel, backend_for
 
-    if isinstance(model, (torch.nn.Module, RuntimeModel)):
-        return backend_for(model).greedy(prompt, n)
-    return _greedy_callable(fn, prompt, n)
+    kinds = (torch.nn.Module, RuntimeModel)
+    if isinstance(dense, kinds) and isinstance(model, kinds):
+        bd, bm = backend_for(dense), backend_for(model)
+        return bd.greedy, bm.greedy
+    return (lambda p, n: _greedy_callable(f_dense, p, n)), (lambda p, n: _greedy_callable(f_model, p, n))
 
 
 def continuation_prompts(windows: torch.Tensor, count: int, prompt_len: int) -> torch.Tensor:
@@ -199,8 +203,9 @@ def fidelity(dense, model, tokenizer, text: str | Path | None = None, *, seqlen:
     # KL >= 0 above: a float32 sum over identical models can land a hair below zero
     if prompts is not None:
         changed = agree_tokens = 0
+        g_dense, g_model = _greedy_fns(dense, model, f_dense, f_model)
         for p in tqdm(prompts.tolist(), desc="continuations", unit="prompt", disable=not progress, leave=False):
-            a, b = _greedy(dense, f_dense, p, new_tokens), _greedy(model, f_model, p, new_tokens)
+            a, b = g_dense(p, new_tokens), g_model(p, new_tokens)
             changed += a != b
             agree_tokens += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         res.continuation_change = changed / len(prompts)
