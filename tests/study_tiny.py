@@ -5,25 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tiny import CORPUS, save_bpe_tokenizer
+from tiny import CORPUS, save_bpe_tokenizer, tiny_model
 
 
 def tiny_model_folder(folder: Path) -> Path:
     """A 2-layer llama (hidden 64, MLP 160) with the tiny BPE tokenizer, saved as an HF folder."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
     tok = save_bpe_tokenizer(folder)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=2)
-    model = AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    model.save_pretrained(str(folder))
+    tiny_model(LlamaConfig, vocab_size=len(tok), bos_token_id=0, eos_token_id=2).save_pretrained(str(folder))
     return folder
 
 

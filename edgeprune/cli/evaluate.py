@@ -82,6 +82,8 @@ def eval_cmd(model, text, seqlen, nwindows, dense_ref, continuations, tasks, lim
         con.print(_table(f"{model}: tasks ({r.protocol['harness']}, limit {limit or 'all'})",
                          ["task", "acc", "acc_norm", "± stderr", "documents"],
                          [[k, v.acc, v.acc_norm, v.acc_stderr, v.n] for k, v in r.tasks.items()]))
+        if r.protocol.get("prepared"):
+            con.print(f"task data: {r.protocol['prepared']} (`lm_eval --include_path` reads this folder as it is)")
         out["tasks"] = r.to_dict()
     if languages:
         from ..evaluation.languages import language_perplexity

@@ -151,8 +151,15 @@ def run_tasks(model, tokenizer, tasks, *, limit: Optional[int] = None, task_data
     from .lm import EdgepruneLM
 
     lm = EdgepruneLM(model, tokenizer, progress=progress)
-    raw = simple_evaluate(model=lm, tasks=names, task_manager=_task_manager(prepared), limit=limit,
-                          num_fewshot=num_fewshot, log_samples=False, verbosity="WARNING")
+    quiet = not progress and "TQDM_DISABLE" not in os.environ
+    if quiet:                      # the harness's own bars (building contexts, tokenizing)
+        os.environ["TQDM_DISABLE"] = "1"
+    try:
+        raw = simple_evaluate(model=lm, tasks=names, task_manager=_task_manager(prepared), limit=limit,
+                              num_fewshot=num_fewshot, log_samples=False, verbosity="WARNING")
+    finally:
+        if quiet:
+            del os.environ["TQDM_DISABLE"]
     results, nsamp = raw.get("results", {}), raw.get("n-samples", {})
     out: dict[str, TaskResult] = {}
     for task in list(names) + [t for g in names for t in GROUPS.get(g, ())]:
