@@ -70,18 +70,18 @@ class TorchBackend:
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
-    def _step(self, rows: list[list[int]], cache=None, **kw):
-        """``(logits, cache)`` of a forward over ``rows`` on top of ``cache``."""
+    def _step(self, rows, cache=None, **kw):
+        """``(logits, cache)`` of a forward over ``rows`` (ids or a tensor) on top of ``cache``."""
         if cache is not None:
             kw[self._cache_kw] = cache
-        out = self.model(self._ids(rows), use_cache=True, **kw)
+        ids = rows.to(self.device) if isinstance(rows, torch.Tensor) else self._ids(rows)
+        out = self.model(ids, use_cache=True, **kw)
         new = getattr(out, "cache", None)
         return out.logits, (new if new is not None else out.past_key_values)
 
     def _ids(self, rows: list[list[int]]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
-    @torch.no_grad()
     def score(self, context: list[int], continuations: Sequence[list[int]]) -> Scores:
         """Log-likelihood of each continuation after ``context``.
 
@@ -92,20 +92,45 @@ class TorchBackend:
         Returns:
             ``[(sum of log p over the continuation's tokens (nats), greedy), ...]``.
         """
-        ctx = _truncate(context, continuations, self.max_length)
-        logits, cache = self._step([ctx], logits_to_keep=1)
-        first = F.log_softmax(logits[0, -1].float(), -1).cpu()
-        multi = [i for i, c in enumerate(continuations) if len(c) > 1]
-        rest: dict[int, torch.Tensor] = {}
-        if multi:
-            width = max(len(continuations[i]) - 1 for i in multi)
-            rows = [continuations[i][:-1] + [continuations[i][0]] * (width - len(continuations[i]) + 1)
-                    for i in multi]           # right padding: causal attention never reads it
-            if len(multi) > 1:
-                cache.batch_repeat_interleave(len(multi))
-            lo = F.log_softmax(self._step(rows, cache)[0].float(), -1).cpu()
-            rest = {i: lo[k] for k, i in enumerate(multi)}
-        return [_gather(first, rest.get(i), c) for i, c in enumerate(continuations)]
+        return self.score_many([(context, continuations)])[0]
+
+    @torch.no_grad()
+    def score_many(self, groups: Sequence[tuple[list[int], Sequence[list[int]]]]) -> list[Scores]:
+        """:meth:`score` of several ``(context, continuations)`` groups in two forward passes:
+        the contexts (left-padded, with their attention mask and positions), then every
+        continuation on its context's KV cache rows."""
+        ctxs = [_truncate(ctx, conts, self.max_length) for ctx, conts in groups]
+        width = max(len(c) for c in ctxs)
+        ids = torch.zeros((len(ctxs), width), dtype=torch.long)
+        mask = torch.zeros((len(ctxs), width), dtype=torch.long)
+        for g, c in enumerate(ctxs):
+            ids[g, width - len(c):] = torch.tensor(c)
+            mask[g, width - len(c):] = 1
+        padded = bool((mask == 0).any())
+        kw = dict(attention_mask=mask.to(self.device),
+                  position_ids=(mask.cumsum(1) - 1).clamp(min=0).to(self.device)) if padded else {}
+        logits, cache = self._step(ids, logits_to_keep=1, **kw)
+        first = F.log_softmax(logits[:, -1].float(), -1).cpu()
+        rows = [(g, i) for g, (_, conts) in enumerate(groups) for i, c in enumerate(conts) if len(c) > 1]
+        rest: dict[tuple[int, int], torch.Tensor] = {}
+        if rows:
+            conts = [groups[g][1][i] for g, i in rows]
+            t = max(len(c) - 1 for c in conts)
+            # right padding: causal attention never lets a real token read it
+            rid = torch.tensor([c[:-1] + [c[0]] * (t - len(c) + 1) for c in conts], dtype=torch.long)
+            sel = torch.tensor([g for g, _ in rows])
+            if len(ctxs) > 1 or len(rows) > 1:
+                cache.batch_select_indices(sel.to(self.device))
+            kw = {}
+            if padded:
+                kw = dict(attention_mask=torch.cat([mask[sel], torch.ones((len(rows), t), dtype=torch.long)],
+                                                   1).to(self.device),
+                          position_ids=(torch.tensor([len(ctxs[g]) for g in sel.tolist()])[:, None]
+                                        + torch.arange(t)[None]).to(self.device))
+            lo = F.log_softmax(self._step(rid.tolist(), cache, **kw)[0].float(), -1).cpu()
+            rest = {r: lo[k] for k, r in enumerate(rows)}
+        return [[_gather(first[g], rest.get((g, i)), c) for i, c in enumerate(conts)]
+                for g, (_, conts) in enumerate(groups)]
 
     @torch.no_grad()
     def greedy(self, prompt: list[int], max_new_tokens: int, stop_eos: bool = True) -> list[int]:
@@ -159,6 +184,10 @@ class RuntimeBackend:
                 lp = F.log_softmax(torch.from_numpy(logits[b, width - len(c):]).float(), -1)
                 out.append(_gather(lp[0], lp[1:], c))
         return out
+
+    def score_many(self, groups) -> list[Scores]:
+        """:meth:`score` of each ``(context, continuations)`` group."""
+        return [self.score(ctx, conts) for ctx, conts in groups]
 
     def greedy(self, prompt: list[int], max_new_tokens: int, stop_eos: bool = True) -> list[int]:
         """As :meth:`TorchBackend.greedy`, through ``Session.generate`` (temperature 0)."""

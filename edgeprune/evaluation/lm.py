@@ -31,13 +31,15 @@ class EdgepruneLM(TemplateLM):
             or a ``runtime`` session (see :func:`~edgeprune.evaluation.backends.backend_for`).
         tokenizer: the model's Hugging Face tokenizer.
         progress: show a progress bar over requests.
+        batch_groups: requests groups (one context each) scored in one batch.
     """
 
-    def __init__(self, model, tokenizer, progress: bool = True):
+    def __init__(self, model, tokenizer, progress: bool = True, batch_groups: int = 8):
         super().__init__()
         self.backend = backend_for(model)
         self.tokenizer = tokenizer
         self.progress = progress
+        self.batch_groups = max(1, int(batch_groups))
 
     # ---- what TemplateLM asks for
     @property
@@ -82,12 +84,16 @@ class EdgepruneLM(TemplateLM):
         out: list = [None] * len(requests)
         bar = tqdm(total=len(requests), desc="loglikelihood", unit="req", leave=False,
                    disable=disable_tqdm or not self.progress)
-        for ctx, idx in groups.items():
-            scores = self.backend.score(list(ctx), [list(requests[i][2]) for i in idx])
-            for i, s in zip(idx, scores):
-                out[i] = s
-                self.cache_hook.add_partial("loglikelihood", requests[i][0], s)
-            bar.update(len(idx))
+        # groups of similar context length batched together (little padding)
+        order = sorted(groups.items(), key=lambda kv: -len(kv[0]))
+        for b in range(0, len(order), self.batch_groups):
+            chunk = order[b: b + self.batch_groups]
+            scores = self.backend.score_many([(list(ctx), [list(requests[i][2]) for i in idx]) for ctx, idx in chunk])
+            for (_, idx), sc in zip(chunk, scores):
+                for i, s in zip(idx, sc):
+                    out[i] = s
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], s)
+                bar.update(len(idx))
         bar.close()
         return out
 
