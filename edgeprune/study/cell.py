@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..errors import ConfigError
+from ..errors import ConfigError, EdgePruneError
 from .cache import STUDY_VERSION, Cache, key
 from .grid import CellSpec, StudyConfig, auto_group_size, linear_in_features
 
@@ -24,12 +24,14 @@ from .grid import CellSpec, StudyConfig, auto_group_size, linear_in_features
 @dataclass
 class PlannedCell:
     """One cell with its keys: ``cell_key`` (the compressed model) and ``units``
-    (``{unit name: unit key}``)."""
+    (``{unit name: unit key}``); ``error`` when its model could not even be planned
+    (a model that does not load: the cell fails, the other models' cells run)."""
 
     model: str
     spec: CellSpec
     cell_key: str
     units: dict
+    error: Optional[str] = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(model=self.model, spec=self.spec.to_dict(), cell_key=self.cell_key, units=self.units)
@@ -150,10 +152,14 @@ class StudyRunner:
         langs = {lt.code: dict(file=self.cache.digest(lt.path), lines=c.lang_lines, seqlen=c.eval_seqlen)
                  for lt in self.languages()}
         for model in c.models:
-            digest = self.model_digest(model)
-            gs = None
-            if c.group_size == "auto" and any(s.bits is not None and s.group_size is None for s in c.cells):
-                gs = auto_group_size(self._facts(model, digest)["in_features"])
+            try:
+                digest = self.model_digest(model)
+                gs = None
+                if c.group_size == "auto" and any(s.bits is not None and s.group_size is None for s in c.cells):
+                    gs = auto_group_size(self._facts(model, digest)["in_features"])
+            except EdgePruneError as exc:
+                cells += [PlannedCell(model, spec, "", {}, error=str(exc)) for spec in c.cells]
+                continue
             for spec in c.cells:
                 spec = spec.with_group_size(gs)
                 ck = key(dict(v=STUDY_VERSION, model=digest, spec=spec.settings(), method=spec.method,
@@ -193,6 +199,8 @@ class StudyRunner:
         """
         import torch
 
+        if pc.error:
+            raise _PlanError(pc.error)
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         results = {u: self.cache.get(k) for u, k in pc.units.items()}
@@ -279,6 +287,10 @@ class StudyRunner:
             for lt in langs:
                 r = language_perplexity(model, tok, [lt], lines=c.lang_lines, seqlen=c.eval_seqlen, progress=False)
                 self._put(pc, out, f"lang:{lt.code}", r[lt.code].to_dict())
+
+
+class _PlanError(EdgePruneError):
+    """A cell whose model could not be planned (its message is the loader's)."""
 
 
 def check_config(config: StudyConfig) -> None:

@@ -155,6 +155,10 @@ def run_ray(config: StudyConfig, cache: Cache, address: str, *, progress: bool =
         outcomes: dict[int, CellOutcome] = {}
         pending = {}
         for i, pc in enumerate(plan):
+            if pc.error:
+                outcomes[i] = _failed(pc, EdgePruneError(pc.error), cache)
+                log(f"cell {pc.model} {pc.spec.label} failed: {pc.error}")
+                continue
             cached = runner.cached(pc)
             if cached is not None:
                 rec = Cache._read_json(cache.model_dir(pc.cell_key) / "record.json") or {}

@@ -63,8 +63,12 @@ def test_failing_cell_is_recorded_while_the_others_run(study_inputs, tmp_path):
     from edgeprune.study import parse_cells
 
     cfg.cells = parse_cells("rtn:4,wanda:0.5", 128)
+    cfg.models = cfg.models + [str(tmp_path / "no-such-model")]
     t = run_study(cfg, tmp_path / "out", progress=False, log=logs.append, plots=False)
-    status = {r["cell"]: r["status"] for r in t.rows()}
+    rows = t.rows()
+    assert [r["status"].split(":")[0] for r in rows[3:]] == ["failed"] * 3     # a model that does not load
+    assert "not found" in rows[3]["status"]
+    status = {r["cell"]: r["status"] for r in rows[:3]}
     assert status["dense"] == "ok" and status["Wanda-50%"] == "ok"
     assert status["RTN-4 g128"].startswith("failed: ") and "group_size" in status["RTN-4 g128"]
     assert any("RTN-4 g128 failed" in m for m in logs)
