@@ -101,7 +101,8 @@ def _hf_tiny(tmp_path):
     return AutoModelForCausalLM.from_pretrained(str(folder)).eval(), AutoTokenizer.from_pretrained(str(folder))
 
 
-def test_our_lm_scores_like_lm_evals_hf_model(tmp_path):
+@pytest.mark.parametrize("batch_groups", [1, 8])
+def test_our_lm_scores_like_lm_evals_hf_model(tmp_path, batch_groups):
     """Same requests, same token ids: the log-likelihoods of EdgepruneLM (context shared by
     the choices, KV cache) equal those of lm-eval's HFLM on the same in-memory model."""
     from lm_eval.evaluator import simple_evaluate
@@ -116,7 +117,7 @@ def test_our_lm_scores_like_lm_evals_hf_model(tmp_path):
                      include_defaults=False)
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     out = {}
-    for name, lm in (("ours", EdgepruneLM(model, tok, progress=False)),
+    for name, lm in (("ours", EdgepruneLM(model, tok, progress=False, batch_groups=batch_groups)),
                      ("hf", HFLM(pretrained=model, tokenizer=tok, batch_size=4))):
         r = simple_evaluate(model=lm, tasks=["piqa"], task_manager=tm, log_samples=True, verbosity="ERROR",
                             bootstrap_iters=0)
