@@ -4,7 +4,7 @@
   against sparsity (pruners; N:M patterns marked apart), one line per method, the dense
   model as a dashed line;
 * ``<model>-languages.png``: heatmap of the relative perplexity change (%) per language
-  and cell;
+  and cell (coloured by ``log10(ppl / dense ppl)``);
 * ``<model>-tasks.png``: task accuracy bars, one group per task, one bar per cell;
 * ``<model>-disagreement.png``: perplexity (x, log) against mean task accuracy (y) per
   cell, with the rank correlation (Kendall's tau) of the orders the two metrics give:
@@ -86,14 +86,17 @@ def _languages(rows, codes, path: Path, model: str):
     data = [[(100 * r[f"change:{c}"]) if r[f"change:{c}"] is not None else float("nan") for c in codes]
             for r in cells]
     fig, ax = plt.subplots(figsize=(1.2 * len(codes) + 3, 0.5 * len(cells) + 1.5))
-    im = ax.imshow(data, cmap="Reds", aspect="auto")
+    # colour by log10(ppl / dense ppl): one collapsed cell does not wash the others out
+    shade = [[math.log10(1 + v / 100) if not math.isnan(v) and v > -100 else float("nan") for v in row]
+             for row in data]
+    im = ax.imshow(shade, cmap="Reds", aspect="auto", vmin=0)
     ax.set_xticks(range(len(codes)), codes)
     ax.set_yticks(range(len(cells)), [r["cell"] for r in cells])
     for i, row in enumerate(data):
         for j, v in enumerate(row):
             if not math.isnan(v):
                 ax.text(j, i, f"{v:+.0f}%", ha="center", va="center", fontsize=8)
-    fig.colorbar(im, ax=ax, label="perplexity change vs dense (%)")
+    fig.colorbar(im, ax=ax, label="log10(perplexity / dense perplexity)")
     ax.set_title(f"per-language degradation: {model}")
     return _save(fig, path)
 

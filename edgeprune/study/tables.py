@@ -7,7 +7,7 @@ the fidelity text's ``ppl``, ``kl`` (nats/token), ``top1`` (agreement), ``snr_db
 layer activation SNR), ``cont_change`` (share of changed greedy continuations), per task
 ``acc:<task>`` and their mean ``acc_mean``, per language ``ppl:<code>`` and
 ``change:<code>`` (relative perplexity change vs the same model's dense cell) and their
-mean ``lang_change_mean``, ``avg_bits`` and ``compress_s``.
+geometric mean ``lang_change_mean`` (``exp(mean(log(ppl / dense ppl))) - 1``), ``avg_bits`` and ``compress_s``.
 """
 
 from __future__ import annotations
@@ -105,7 +105,9 @@ class StudyTable:
                 ch = (p - base) / base if p is not None and base else None
                 r[f"ppl:{code}"], r[f"change:{code}"] = p, ch
                 changes.append(ch)
-            r["lang_change_mean"] = _mean(changes) if changes and all(c is not None for c in changes) else None
+            ok = changes and all(c is not None and c > -1 for c in changes)
+            # geometric mean of the ppl ratios: one collapsed language does not swamp the others
+            r["lang_change_mean"] = math.exp(_mean([math.log1p(c) for c in changes])) - 1 if ok else None
             r["avg_bits"] = _num(o.record.get("avg_bits_per_weight"))
             r["compress_s"] = _num(o.record.get("seconds"))
             rows.append(r)
