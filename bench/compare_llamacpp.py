@@ -369,7 +369,8 @@ def main(argv=None) -> int:
                          "/pN suffix, e.g. int4_vs_q4_0/p1024/t1)")
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--quants", nargs="+", default=["q4_0", "q4_1"], help="llama.cpp quantizations")
-    ap.add_argument("--ours", default=None, help="our export folder (default: one cached export per variant)")
+    ap.add_argument("--ours", default=None, help="measure this export folder as it is, instead of the "
+                    "--variants (which are built into bench/.cache when missing or stale)")
     ap.add_argument("--variants", default=None,
                     help="our int4 exports to run (default: default,rtn-g32; quick: rtn-g32, plus "
                          "default if cached): " + "; ".join(f"{k}: {v}" for k, v in
@@ -405,11 +406,16 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     records: list[dict] = []
     # --- our exports (one per variant; --quick never builds the self-calibrated default)
-    variants = ([v for v in a.variants.split(",") if v] if a.variants else
+    # --ours FOLDER is measured as it is (never built or rebuilt: it is the user's input)
+    variants = (["ours"] if a.ours else [v for v in a.variants.split(",") if v] if a.variants else
                 benchlib.quick_variants() if a.quick else ["default", benchlib.QUICK_VARIANT])
-    ours_dirs = {v: Path(a.ours) if a.ours and len(variants) == 1 else benchlib.ours_folder(v)
-                 for v in variants}
-    ours_errs = {v: benchlib.ensure_ours(d, log, v) for v, d in ours_dirs.items()}
+    if a.ours:
+        ours_dirs = {"ours": Path(a.ours)}
+        ours_errs = {"ours": None if (Path(a.ours) / "model.onnx").is_file() else
+                     f"--ours {a.ours}: no model.onnx there (give an `edgeprune export` folder)"}
+    else:
+        ours_dirs = {v: benchlib.ours_folder(v) for v in variants}
+        ours_errs = {v: benchlib.ensure_ours(d, log, v) for v, d in ours_dirs.items()}
     for v in variants:
         log(f"ours {v}: {benchlib.OURS_VARIANTS.get(v, a.ours)}")
     # --- llama.cpp venv and GGUFs
