@@ -212,8 +212,12 @@ CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 PEER_VENVS = {
     "llamacpp": (["llama-cpp-python", "numpy", "psutil"], "llama_cpp",
                  {"CMAKE_BUILD_PARALLEL_LEVEL": "2"}),
-    "ortgenai": (["onnxruntime-genai", "transformers", "onnx", "onnxruntime", "numpy", "psutil",
-                  "safetensors"], "onnxruntime_genai", {}),
+    # onnx-ir: onnxruntime-genai's model builder (`python -m onnxruntime_genai.models.builder`)
+    "ortgenai": (["onnxruntime-genai", "transformers", "onnx", "onnx-ir", "onnxruntime", "numpy",
+                  "psutil", "safetensors"], "onnxruntime_genai, onnx_ir", {}),
+    # Optimum's ORTModelForCausalLM (optimum-onnx 0.1.0 pins transformers < 4.58 and
+    # optimum ~= 2.1: kept out of the project's venv)
+    "optimum": (["optimum-onnx[onnxruntime]==0.1.0", "numpy"], "optimum.onnxruntime", {}),
     "llmcompressor": (["llmcompressor==0.14.0.1"], "llmcompressor", {}),
 }
 

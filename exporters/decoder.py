@@ -90,7 +90,8 @@ class DecoderBuilder(AttentionMixin, MlpMixin, EmbeddingHeadMixin, LinearMixin):
     * config: ``check_config(cfg)``, ``read_spec(model, spec)`` (class methods run by
       :meth:`~exporters.spec.DecoderSpec.from_model`), ``sliding_window_graph``;
     * export: ``default_lm_head()``, ``io_metadata()`` (``kv_layout`` of
-      ``edgeprune.json``), ``shares_kv_buffer`` (``genai_config.json``),
+      ``edgeprune.json``), ``shares_kv_buffer`` (``genai_config.json``), ``genai_loadable``
+      (onnxruntime-genai's inputs are added and ``genai_config.json`` written),
       ``parity_tokens(n)`` (the validation window), and the attributes
       ``logits_match_model`` (the logits stand for the given torch model; validation
       checks them), ``approximate_logits`` (they match it only up to rounding) and
@@ -178,6 +179,14 @@ class DecoderBuilder(AttentionMixin, MlpMixin, EmbeddingHeadMixin, LinearMixin):
         """Whether ``past_key_values.*`` and ``present.*`` share one buffer
         (``genai_config.json``'s ``past_present_share_buffer``)."""
         return self.fused
+
+    @property
+    def genai_loadable(self) -> bool:
+        """Whether onnxruntime-genai can run the graph once ``exporters.genai`` gave it the
+        inputs that tool feeds: standard caches (``past_key_values.%d.*`` in,
+        ``present.%d.*`` out, one length axis); not a sliding-window ring (its cache is
+        the runtime's ``RingKVCache`` bookkeeping, or the last ``window`` rows only)."""
+        return not any(self.ring_layer(i) for i in range(self.spec.num_layers))
 
     def parity_tokens(self, tokens: int) -> int:
         """Window length of the export's parity check, given the requested ``tokens``

@@ -24,7 +24,8 @@ from .families import BUILDERS
 from .folder import (atomic_folder, check_disk, check_out_dir, row_read_ranges, save_external,
                      save_tokenizer, write_json)
 from .int4 import DEFAULT_GROUP_SIZE
-from .metadata import export_metadata, genai_config
+from .genai import GENAI_GRAPH, genai_config, genai_graph, hf_config
+from .metadata import export_metadata
 from .spec import DecoderSpec
 from .variants import EXPORT_VARIANTS, compose_builder, variant_entries
 
@@ -201,9 +202,11 @@ def _approximate(builder, proto, metadata: dict) -> bool:
         for n in proto.graph.node) or (metadata["qdq_accuracy_level"] or 0) >= 2
 
 
-def _write_folder(tmp: Path, proto, tokenizer, metadata: dict, genai: dict,
-                  external: bool) -> None:
-    """``model.onnx`` (+ page-aligned ``model.onnx.data``), tokenizer and the two JSONs."""
+def _write_folder(tmp: Path, proto, tokenizer, metadata: dict, genai: Optional[dict],
+                  config: Optional[dict], external: bool, fused: bool) -> None:
+    """``model.onnx`` (+ page-aligned ``model.onnx.data``), tokenizer, ``edgeprune.json``,
+    ``config.json`` (Optimum) and, given ``genai``, onnxruntime-genai's graph reading the
+    same data and its ``genai_config.json`` (``exporters.genai``)."""
     mpath = tmp / "model.onnx"
     if external:
         placed = save_external(proto, mpath, "model.onnx.data")
@@ -211,9 +214,29 @@ def _write_folder(tmp: Path, proto, tokenizer, metadata: dict, genai: dict,
         metadata["data_bytes"] = (tmp / "model.onnx.data").stat().st_size
     else:
         onnx.save_model(proto, str(mpath))
+    if genai is not None:
+        onnx.save_model(genai_graph(proto, fused), str(tmp / GENAI_GRAPH))
     save_tokenizer(tokenizer, tmp)
-    write_json(tmp / "genai_config.json", genai)
+    if genai is not None:
+        write_json(tmp / "genai_config.json", genai)
+    if config is not None:
+        write_json(tmp / "config.json", config)
     write_json(tmp / "edgeprune.json", metadata)
+
+
+def _genai_record(builder, genai: bool, external_data: Optional[bool]) -> dict:
+    """``edgeprune.json``'s ``genai`` record: the graph onnxruntime-genai runs (and Optimum
+    loads with ``file_name``), its config and the inputs it feeds; or why there is none."""
+    why = "not asked (genai=False)" if not genai else \
+        "onnxruntime-genai cannot feed this graph's caches" if not builder.genai_loadable else \
+        "external_data=False: a second graph would copy the weights" if external_data is False \
+        else None
+    if why:
+        return {"graph": None, "config": None, "why": why}
+    return {"graph": GENAI_GRAPH, "config": "genai_config.json", "weights": "model.onnx.data",
+            "inputs": ["input_ids", "attention_mask"] + ([] if builder.fused else ["position_ids"])
+            + ["past_key_values.%d.key", "past_key_values.%d.value"],
+            "logits": "every position [batch, sequence, vocab]"}
 
 
 def _validate(tmp: Path, model, tokenizer, builder, parity_tokens: int, approximate: bool) -> dict:
@@ -237,7 +260,8 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
                 accuracy_levels: Optional[dict] = None, group_size: int = DEFAULT_GROUP_SIZE,
                 max_length: Optional[int] = None, provenance: Optional[dict] = None,
                 overwrite: bool = False, validate: bool = True,
-                external_data: Optional[bool] = None, parity_tokens: int = 64) -> ExportResult:
+                external_data: Optional[bool] = None, parity_tokens: int = 64,
+                genai: bool = True) -> ExportResult:
     """Export an HF llama/qwen2/gemma3 decoder to an ONNX folder with a KV cache.
 
     Args:
@@ -292,6 +316,14 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
             = auto: on for int4 exports; tensors are page-aligned in the data file so
             onnxruntime memory-maps them, lowering the peak RSS at load).
         parity_tokens: window length of the parity check.
+        genai: also write ``genai_model.onnx`` and ``genai_config.json``, the graph and
+            config onnxruntime-genai runs (``exporters.genai``: it feeds
+            ``attention_mask``, not our ``seqlens_k``); it reads the weights of
+            ``model.onnx.data`` (so float exports then keep their weights there too,
+            unless ``external_data=False``, which writes no second graph). Skipped for
+            graphs that tool cannot feed (LeanK, sliding-window rings); ``model.onnx``
+            is the same either way. ``config.json`` (the model's HF config, for Optimum)
+            is always written.
 
     Returns:
         :class:`ExportResult`.
@@ -332,21 +364,25 @@ def export_onnx(model, tokenizer, out_dir, *, precision: str = "fp32",
     _check_level_overrides(builder)
     weight_bytes = builder.g.weight_bytes()
     check_disk(out_dir.parent, weight_bytes)
-    # external data: when asked, above 2 GB, or (auto) for int4 exports: onnxruntime
+    # external data: when asked, above 2 GB, or (auto) for int4 exports and whenever
+    # onnxruntime-genai's graph is written (it reads the same file); onnxruntime
     # memory-maps page-aligned external initializers, which lowers the peak RSS at load
-    external = (precision == "int4" if external_data is None else external_data) or \
-        weight_bytes > EXTERNAL_DATA_THRESHOLD
+    genai_record = _genai_record(builder, genai, external_data)
+    external = (precision == "int4" or genai_record["graph"] is not None
+                if external_data is None else external_data) or weight_bytes > EXTERNAL_DATA_THRESHOLD
     records = {name: EXPORT_VARIANTS[name].variant_record(builder) for name, _ in entries}
     metadata = export_metadata(model, builder, proto, quantized=quantized, group_size=group_size,
                                dequantized=dequantized, sparsity=sparsity, variants=records,
                                provenance=provenance)
-    genai = genai_config(model, builder, metadata)
+    metadata["genai"] = genai_record
+    genai_cfg = genai_config(model, builder, metadata, tokenizer) if genai_record["graph"] else None
     approximate = _approximate(builder, proto, metadata)
     timings = {"build_s": round(t_build - t0, 3)}
     parity: dict = {}
     with atomic_folder(out_dir, overwrite=overwrite) as tmp:
         ts = time.perf_counter()
-        _write_folder(tmp, proto, tokenizer, metadata, genai, external)
+        _write_folder(tmp, proto, tokenizer, metadata, genai_cfg, hf_config(model), external,
+                      builder.fused)
         del proto
         timings["save_s"] = round(time.perf_counter() - ts, 3)
         if validate:

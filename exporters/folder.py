@@ -26,7 +26,8 @@ TOKENIZER_FILES = frozenset({
 #: What an export folder holds: anything else in it is the user's, and ``overwrite``
 #: refuses to delete it.
 EXPORT_FILES = frozenset({"model.onnx", "model.onnx.data", "edgeprune.json",
-                          "genai_config.json"}) | TOKENIZER_FILES
+                          "genai_config.json", "genai_model.onnx",
+                          "config.json"}) | TOKENIZER_FILES
 #: An export folder, for the output guard: replaced as a whole, marked by
 #: ``edgeprune.json``; an existing folder (even empty) needs ``overwrite``.
 EXPORT_OUTPUT = OutputKind("export", files=EXPORT_FILES, marker="edgeprune.json", empty_ok=False)

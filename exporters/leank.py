@@ -107,6 +107,10 @@ class LeanKMixin(VariantMixin):
     def shares_kv_buffer(self) -> bool:
         return False
 
+    @property
+    def genai_loadable(self) -> bool:
+        return False            # four caches per layer: onnxruntime-genai feeds two
+
     def parity_tokens(self, tokens: int) -> int:
         # within sink + window nothing is pruned: the graph must equal the dense model
         # (the pruned path is tested against edgeprune.leank.apply_reference)

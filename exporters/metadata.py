@@ -1,8 +1,8 @@
-"""What an export folder says about itself: ``edgeprune.json`` and ``genai_config.json``.
+"""What an export folder says about itself to our runtime: ``edgeprune.json``.
 
 ``edgeprune.json`` is the runtime's description of the graph (shapes, precision, KV
-layout, quantization, the applied graph variants under ``"variants"``, provenance);
-``genai_config.json`` follows onnxruntime-genai's schema so that tool can run the folder.
+layout, quantization, the applied graph variants under ``"variants"``, provenance); what
+other runtimes read (``genai_config.json``, ``config.json``) is ``exporters.genai``'s.
 """
 
 from __future__ import annotations
@@ -90,30 +90,4 @@ def export_metadata(model, builder, proto, *, quantized: dict, group_size: int,
     }
 
 
-def genai_config(model, builder, metadata: dict) -> dict:
-    """``genai_config.json`` (onnxruntime-genai's schema): the decoder's shapes and the
-    search defaults, the model's own generation config taking precedence."""
-    spec, max_length = builder.spec, int(builder.opts.max_length)
-    genai = {"model": {"type": spec.architecture, "context_length": max_length,
-                       "vocab_size": spec.vocab_size,
-                       "bos_token_id": metadata["bos_token_id"],
-                       "eos_token_id": metadata["eos_token_id"],
-                       "pad_token_id": metadata["pad_token_id"],
-                       "decoder": {"filename": "model.onnx", "head_size": spec.head_dim,
-                                   "hidden_size": spec.hidden_size,
-                                   "num_attention_heads": spec.num_heads,
-                                   "num_key_value_heads": spec.num_kv_heads,
-                                   "num_hidden_layers": spec.num_layers}},
-             "search": {"do_sample": False, "max_length": max_length, "temperature": 1.0,
-                        "top_k": 1, "top_p": 1.0, "repetition_penalty": 1.0,
-                        "past_present_share_buffer": builder.shares_kv_buffer}}
-    gen_cfg = getattr(model, "generation_config", None)
-    if gen_cfg is not None:
-        for k in ("temperature", "top_k", "top_p", "repetition_penalty", "do_sample"):
-            v = getattr(gen_cfg, k, None)
-            if v is not None:
-                genai["search"][k] = v
-    return genai
-
-
-__all__ = ["export_metadata", "genai_config", "FORMAT_VERSION"]
+__all__ = ["export_metadata", "FORMAT_VERSION"]

@@ -180,7 +180,7 @@ class Session(GenerationLoop):
         self.output_names = [o.name for o in self.sess.get_outputs()]
         graph_limit = _graph_max_length(self.sess)
         limit = int(self.meta.get("max_length") or graph_limit or 2048)
-        if graph_limit is not None and limit > graph_limit:
+        if graph_limit is not None and limit != graph_limit:    # the export writes the same
             raise RuntimeLoadError(f"edgeprune.json says max_length={limit} but the graph's "
                                    f"rotary tables hold {graph_limit} positions",
                                    f"restore the folder's edgeprune.json (max_length {graph_limit}), "

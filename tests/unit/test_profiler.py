@@ -37,7 +37,8 @@ def test_profile_measures_and_projects(tiny_folder, tmp_path):
     assert m["final_length"] == 40 and m["kv_tokens"] == 39
     # K and V: 2 layers x 2 kv heads x 16 dims x fp32 per cached token, each.
     assert m["kv_bytes"] == {"k": 39 * 2 * 2 * 16 * 4, "v": 39 * 2 * 2 * 16 * 4}
-    assert m["weights_bytes"] == (tiny_folder / "model.onnx").stat().st_size
+    assert m["weights_bytes"] == sum((tiny_folder / n).stat().st_size        # graph + its data
+                                     for n in ("model.onnx", "model.onnx.data"))
     assert m["decode_tok_s"]["median"] == pytest.approx(1000.0 / m["decode_step_ms"]["median"])
     assert m["decode_step_ms"]["p90"] >= m["decode_step_ms"]["median"] > 0
     assert m["ttft_ms"]["median"] > 0 and m["prefill_tok_s"]["median"] > 0
