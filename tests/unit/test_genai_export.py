@@ -116,6 +116,15 @@ def test_no_second_graph_when_weights_stay_inline(tiny_llama, tok, tmp_path):
     assert "external_data=False" in res.metadata["genai"]["why"]
 
 
+def test_no_genai_files_for_a_cache_it_cannot_feed(tok, tmp_path):
+    """A plain Gemma 3 graph keeps only the window of its local layers (``local_kv="ring"``):
+    onnxruntime-genai's caches span the context, so no genai graph or config is written."""
+    from test_export_families import gemma3
+    res = _export(gemma3(), tok, tmp_path / "ring", graph="plain")
+    assert GENAI_GRAPH not in res.files and "genai_config.json" not in res.files
+    assert "config.json" in res.files and "cannot feed" in res.metadata["genai"]["why"]
+
+
 @pytest.mark.parametrize("graph", ["fused", "plain"])
 def test_genai_graph_gives_our_logits_from_an_attention_mask(tiny_llama, tok, tmp_path, graph):
     """onnxruntime-genai's feed (attention_mask, no num_logits_to_keep) on genai_model.onnx
@@ -139,12 +148,28 @@ def test_genai_graph_gives_our_logits_from_an_attention_mask(tiny_llama, tok, tm
 
 
 # ------------------------------------------------------------- onnxruntime-genai itself
-@pytest.mark.parametrize("case", ["fp32", "fp32-plain", "fp16", "compact24"])
-def test_onnxruntime_genai_greedy_equals_ours(genai_python, tiny_llama, tok, tmp_path, case):
-    """Float exports: onnxruntime-genai's greedy tokens are ours, token for token."""
-    kw = {"fp32": {}, "fp32-plain": {"graph": "plain"}, "fp16": {"precision": "fp16"},
-          "compact24": {"variants": ["compact24"]}}[case]
-    model = _prune_24(tiny_llama) if case == "compact24" else tiny_llama
+def _case(case: str, tiny_llama, tiny_qwen2):
+    """``(model, export options)`` of a float test case."""
+    if case == "compact24":
+        return _prune_24(tiny_llama), {"variants": ["compact24"]}
+    if case == "countdown":
+        from edgeprune import countdown as cd
+        calib = torch.randint(0, 255, (4, 32), generator=torch.Generator().manual_seed(1))
+        return tiny_llama, {"variants": [cd.calibrate(tiny_llama, calib, 0.5, "m")]}
+    if case.startswith("gemma3"):     # sliding-window layers (window 8 < prompt + new tokens)
+        from test_export_families import gemma3
+        return gemma3(), {"graph": "plain", "local_kv": "full"} if case.endswith("plain") else {}
+    return (tiny_qwen2 if case == "qwen2" else tiny_llama), \
+        {"fp32-plain": {"graph": "plain"}, "fp16": {"precision": "fp16"}}.get(case, {})
+
+
+@pytest.mark.parametrize("case", ["fp32", "fp32-plain", "fp16", "compact24", "countdown", "qwen2",
+                                  "gemma3", "gemma3-plain"])
+def test_onnxruntime_genai_greedy_equals_ours(genai_python, tiny_llama, tiny_qwen2, tok, tmp_path,
+                                              case):
+    """Float exports (llama, qwen2, gemma3; compact 2:4, COUNTDOWN): onnxruntime-genai's
+    greedy tokens are ours, token for token."""
+    model, kw = _case(case, tiny_llama, tiny_qwen2)
     f = _export(model, tok, tmp_path / case, **kw).folder
     lengths = []
     for seed in (3, 5):        # seed 5: both stop at the tokenizer's end-of-sequence token
