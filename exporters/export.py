@@ -73,7 +73,9 @@ class ExportResult:
                 f"onnx checker {p.get('onnx_checker', 'skipped')}, shape inference "
                 f"{p.get('shape_inference', 'skipped')}; {par}{head}"
                 + (f"; weights {self.metadata['weights']}" if self.metadata.get("weights") else "")
-                + self._narrow_codes_note())
+                + self._narrow_codes_note()
+                + (f"; onnxruntime-genai and Optimum load {GENAI_GRAPH}"
+                   if (self.metadata.get("genai") or {}).get("graph") else ""))
 
     def _narrow_codes_note(self) -> str:
         cb = [b for b in ((self.metadata.get("quantization") or {}).get("code_bits") or []) if b < 4]

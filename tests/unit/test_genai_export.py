@@ -98,6 +98,7 @@ def test_folder_carries_genai_graph_and_configs(tiny_llama, tok, tmp_path):
     assert res.files[GENAI_GRAPH] < 2 * res.files["model.onnx"]
     meta = json.loads((f / "edgeprune.json").read_text())
     assert meta["genai"]["graph"] == GENAI_GRAPH and "attention_mask" in meta["genai"]["inputs"]
+    assert f"onnxruntime-genai and Optimum load {GENAI_GRAPH}" in res.summary()
 
 
 def test_model_onnx_is_the_same_with_or_without_the_genai_graph(tiny_llama, tok, tmp_path):
