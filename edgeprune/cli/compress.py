@@ -10,7 +10,8 @@ import click
 from runtime.errors import ConfigError
 
 from ._app import cli
-from ._common import METHODS, _check_output, _console, _parse_pattern, _write_json, method_options
+from ._common import (METHODS, _check_output, _console, _parse_pattern, _write_json, method_options,
+                      threads_option)
 
 @cli.command("compress")
 @click.argument("model")
@@ -22,15 +23,23 @@ from ._common import METHODS, _check_output, _console, _parse_pattern, _write_js
               default="naive-quantized", show_default=True,
               help="compressed-tensors layout of asymmetric layers: naive (int8 codes) loads in plain "
                    "transformers; pack (8 codes per int32) is half the size but transformers 5.24 cannot load it.")
+@click.option("--measure-error", is_flag=True,
+              help="Measure each layer's reconstruction error on calibration windows (in --json). "
+                   "Data-free methods (rtn, magnitude) build no calibration windows and run no forward "
+                   "pass unless this flag, --calib or --nsamples is given.")
+@threads_option()
 @click.option("--overwrite", is_flag=True)
 @click.option("--json", "json_path", default=None, help="Write the compression summary here.")
 def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, calib, nsamples, seqlen,
-                 seed, device, out_dir, fmt, asym_layout, overwrite, json_path):
-    """Compress MODEL with a method or recipe and save a checkpoint."""
+                 seed, device, out_dir, fmt, asym_layout, measure_error, threads, overwrite, json_path):
+    """Compress MODEL with a method or recipe and save a checkpoint.
+
+    Data-free methods (rtn, magnitude) read only the weights: no calibration data and no
+    forward pass, unless --measure-error, --calib or --nsamples asks for per-layer errors.
+    """
     _check_output(json_path, "--json", [model])
     from .. import checkpoint as ckpt
-    from ..calibration import build_calibration, describe
-    from ..engine import FallbackWarning, check_recipe, compress
+    from ..engine import FallbackWarning, check_recipe, compress, needs_calibration
     from ..models import load_model
     from ..pipeline import RunConfig, build_recipe
 
@@ -42,6 +51,8 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
                     seqlen=seqlen, seed=seed)
     rec = build_recipe(cfg)
     rec.validate()
+    # data only where the method needs it or the user asked for the errors measured on it
+    use_data = needs_calibration(rec) or measure_error or calib is not None or nsamples is not None
     from ..models import local_source
 
     local = local_source(model)               # the input model's file or folder (aliases too)
@@ -53,20 +64,28 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
         con = _console()
         m, tok, src = load_model(model, return_source=True, device=device)
         check_recipe(m, rec)                     # shapes vs recipe before calibrating
-        cal = build_calibration(tok, calib, nsamples=cfg.nsamples, seqlen=seqlen, seed=seed,
-                                model_max_length=getattr(m.config, "max_position_embeddings", None),
-                                model=m)
-        con.print(describe(cal.info))
+        ids, calib_info = None, {"source": None, "data_free": True}
+        if use_data:
+            from ..calibration import build_calibration, describe
+
+            cal = build_calibration(tok, calib, nsamples=cfg.nsamples, seqlen=seqlen, seed=seed,
+                                    model_max_length=getattr(m.config, "max_position_embeddings", None),
+                                    model=m)
+            con.print(describe(cal.info))
+            ids, calib_info = cal.input_ids, cal.info
+        else:
+            con.print(f"{', '.join(c.method for c in rec.stages)}: data-free, no calibration data "
+                      "(--measure-error measures per-layer errors on calibration windows)")
         with warnings.catch_warnings():      # printed below, with the other notes
             warnings.simplefilter("ignore", FallbackWarning)
-            res = compress(m, rec, cal.input_ids, device=device)
-        res.calibration = cal.info
+            res = compress(m, rec, ids, device=device)
+        res.calibration = calib_info
         if res.quantized and fmt == "dense":
             con.print("note: --format dense stores dequantized floats; integer codes are not kept")
         path = ckpt.save_checkpoint(m, tok, res, out_dir, format=fmt, overwrite=overwrite,
                                     asym_layout=asym_layout,
                                     provenance=dict(method=rec.to_dict(), source=src.to_dict(),
-                                                    calibration=cal.info, seed=seed))
+                                                    calibration=calib_info, seed=seed))
     summ = res.summary()
     con.print(f"compressed {model} with {rec.to_dict()} in {res.seconds:.1f} s -> {path}")
     if summ.get("avg_bits_per_weight"):

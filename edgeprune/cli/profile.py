@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ._app import cli
-from ._common import _check_output, _console, _table, _write_json
+from ._common import _check_output, _console, _table, _write_json, threads_option
 
 @cli.command("profile")
 @click.argument("folder")
@@ -20,7 +20,7 @@ from ._common import _check_output, _console, _table, _write_json
 @click.option("--target", "targets", multiple=True, help="Profiles to project to (repeatable).")
 @click.option("--out", "out_dir", default=None,
               help="Folder for the plot and profile.md (default: the plot goes to ./runs/profile-NAME/).")
-@click.option("--threads", type=int, default=None, help="Threads to run with instead of the profile's.")
+@threads_option(help="Threads to run with instead of the profile's.")
 @click.option("--json", "json_path", default=None)
 def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets, out_dir, threads, json_path):
     """Measure latency and memory of an exported FOLDER under a device profile."""
