@@ -19,10 +19,16 @@ from ._common import (METHODS, _check_output, _console, _parse_pattern, _write_j
 @click.option("--out", "out_dir", required=True, help="Checkpoint folder to write.")
 @click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "dense"]),
               default="compressed-tensors", show_default=True)
-@click.option("--asym-layout", type=click.Choice(["naive-quantized", "pack-quantized"]),
-              default="naive-quantized", show_default=True,
-              help="compressed-tensors layout of asymmetric layers: naive (int8 codes) loads in plain "
-                   "transformers; pack (8 codes per int32) is half the size but transformers 5.24 cannot load it.")
+@click.option("--asym-layout", type=click.Choice(["pack-quantized", "pack-quantized-compact", "naive-quantized"]),
+              default="pack-quantized", show_default=True,
+              help="compressed-tensors layout of asymmetric layers: pack-quantized (8 codes per int32, zero "
+                   "points padded so plain transformers 5.24 loads it); pack-quantized-compact (zero points "
+                   "unpadded, as llm-compressor writes; transformers 5.24 cannot load it); naive-quantized "
+                   "(one int8 per code, twice the size).")
+@click.option("--embedding-dtype", type=click.Choice(["auto", "float16", "bfloat16", "float32"]), default="auto",
+              show_default=True,
+              help="Precision of the embedding (and an untied, unquantized lm_head), set before compressing "
+                   "and kept in the checkpoint: auto = bfloat16 when exact, else float16; float32 keeps it.")
 @click.option("--measure-error", is_flag=True,
               help="Measure each layer's reconstruction error on calibration windows (in --json). "
                    "Data-free methods (rtn, magnitude) build no calibration windows and run no forward "
@@ -31,7 +37,8 @@ from ._common import (METHODS, _check_output, _console, _parse_pattern, _write_j
 @click.option("--overwrite", is_flag=True)
 @click.option("--json", "json_path", default=None, help="Write the compression summary here.")
 def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, calib, nsamples, seqlen,
-                 seed, device, out_dir, fmt, asym_layout, measure_error, threads, overwrite, json_path):
+                 seed, device, out_dir, fmt, asym_layout, embedding_dtype, measure_error, threads, overwrite,
+                 json_path):
     """Compress MODEL with a method or recipe and save a checkpoint.
 
     Data-free methods (rtn, magnitude) read only the weights: no calibration data and no
@@ -64,6 +71,9 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
         con = _console()
         m, tok, src = load_model(model, return_source=True, device=device)
         check_recipe(m, rec)                     # shapes vs recipe before calibrating
+        emb_dtype = None
+        if fmt == "compressed-tensors":          # the model compressed is the model saved
+            emb_dtype = ckpt.round_embeddings(m, embedding_dtype)
         ids, calib_info = None, {"source": None, "data_free": True}
         if use_data:
             from ..calibration import build_calibration, describe
@@ -85,11 +95,14 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
         path = ckpt.save_checkpoint(m, tok, res, out_dir, format=fmt, overwrite=overwrite,
                                     asym_layout=asym_layout,
                                     provenance=dict(method=rec.to_dict(), source=src.to_dict(),
-                                                    calibration=calib_info, seed=seed))
+                                                    calibration=calib_info, seed=seed,
+                                                    embedding_dtype=emb_dtype or "float32"))
     summ = res.summary()
     con.print(f"compressed {model} with {rec.to_dict()} in {res.seconds:.1f} s -> {path}")
     if summ.get("avg_bits_per_weight"):
         con.print(f"average bits per weight (scales included): {summ['avg_bits_per_weight']:.3f}")
+    if emb_dtype:
+        con.print(f"embedding stored in {emb_dtype} (--embedding-dtype float32 keeps it as loaded)")
     changed = res.fallback_summary()
     if changed:
         con.print(f"fallbacks: {changed}")
