@@ -35,6 +35,12 @@ def pack_int32(values: torch.Tensor, bits: int, packed_dim: int = 1) -> torch.Te
                               "quantize first; codes must be unsigned")
     rows, cols = v.shape
     n_words = math.ceil(cols * bits / 32)
+    per_word = 32 // bits
+    if 32 % bits == 0 and cols % per_word == 0:   # 1/2/4/8 bits, whole words: shift and add
+        shifts = np.arange(per_word, dtype=np.int64) * bits
+        words = (v.reshape(rows, n_words, per_word) << shifts).sum(axis=2)
+        out = torch.from_numpy(words.astype(np.uint32).view(np.int32).copy())
+        return out.T.contiguous() if packed_dim == 0 else out
     # bits of every element, least significant first: [rows, cols, bits]
     bitarr = ((v[:, :, None] >> np.arange(bits)) & 1).astype(np.uint8).reshape(rows, cols * bits)
     pad = n_words * 32 - cols * bits

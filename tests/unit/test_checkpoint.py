@@ -78,6 +78,18 @@ def test_pack_roundtrip_and_matches_compressed_tensors(bits, packed_dim):
     assert torch.equal(packed, helpers.pack_to_int32(signed, bits, packed_dim=packed_dim))
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("packed_dim", [0, 1])
+def test_whole_word_pack_matches_compressed_tensors(bits, packed_dim):
+    """Whole int32 words (the shift-and-add path): the same words as compressed-tensors."""
+    vals = torch.randint(0, 2 ** bits, (32, 64), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    packed = pack_int32(vals, bits, packed_dim)
+    assert torch.equal(unpack_int32(packed, bits, vals.shape, packed_dim), vals)
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    signed = (vals.to(torch.int16) - 2 ** (bits - 1)).to(torch.int8)
+    assert torch.equal(packed, helpers.pack_to_int32(signed, bits, packed_dim=packed_dim))
+
+
 def test_pack_layout_known_value():
     # 4-bit codes 1..8 in one row -> one word 0x87654321, little-endian nibbles
     vals = torch.arange(1, 9, dtype=torch.uint8)[None]
