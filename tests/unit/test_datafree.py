@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from edgeprune.methods.base import LayerResult, LayerTask, Method
 from edgeprune.methods.config import QuantOptions
 from edgeprune.methods.registry import register_method, unregister_method
 from edgeprune.quantize import rtn_quantize
-from tiny import byte_tokenizer
+from test_cli_inputs import model_dir  # noqa: F401 - the tiny saved llama, a fixture
 
 
 def _ids(n=4, s=16):
@@ -87,20 +86,6 @@ def test_compress_without_ids_refuses_what_needs_data(tiny_llama):
 
 
 # ------------------------------------------------------------------ the CLI
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    m = AutoModelForCausalLM.from_config(cfg).float().eval()
-    d = tmp_path_factory.mktemp("datafree") / "tiny"
-    m.save_pretrained(d)
-    byte_tokenizer().save_pretrained(d)
-    return d
-
 
 def test_cli_rtn_and_magnitude_build_no_calibration(model_dir, tmp_path, monkeypatch, capsys):
     from transformers.models.llama import modeling_llama
