@@ -124,6 +124,23 @@ def _parse_levels(items) -> dict:
     return out
 
 
+def describe_recipe(recipe: dict) -> str:
+    """A recipe's ``to_dict()`` as one readable line: ``rtn (bits 4, group_size 64,
+    asym; ignore lm_head)``, stages joined by `` -> `` (not a raw Python dict)."""
+    parts = []
+    for st in recipe.get("stages") or []:
+        opts = []
+        for k, v in st.items():
+            if k in ("method", "targets", "ignore") or v is None or v is False and k != "sym":
+                continue
+            opts.append(("sym" if v else "asym") if k == "sym" else k if v is True else f"{k} {v}")
+        for k in ("targets", "ignore"):
+            if st.get(k):
+                opts.append(f"{k} {', '.join(map(str, st[k]))}")
+        parts.append(f"{st.get('method')} ({', '.join(opts)})" if opts else str(st.get("method")))
+    return " -> ".join(parts) or str(recipe.get("name", "recipe"))
+
+
 def apply_threads(threads: Optional[int]) -> None:
     """Use ``threads`` CPU threads for torch's intra-op work in this process: set at once
     when torch is imported, else through ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``, which

@@ -10,8 +10,8 @@ import click
 from runtime.errors import ConfigError
 
 from ._app import cli
-from ._common import (METHODS, _check_output, _console, _parse_pattern, _write_json, method_options,
-                      threads_option)
+from ._common import (METHODS, _check_output, _console, _parse_pattern, _write_json, describe_recipe,
+                      method_options, threads_option)
 
 @cli.command("compress")
 @click.argument("model")
@@ -98,7 +98,7 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
                                                     calibration=calib_info, seed=seed,
                                                     embedding_dtype=emb_dtype or "float32"))
     summ = res.summary()
-    con.print(f"compressed {model} with {rec.to_dict()} in {res.seconds:.1f} s -> {path}")
+    con.print(f"compressed {model} with {describe_recipe(rec.to_dict())} in {res.seconds:.1f} s -> {path}")
     if summ.get("avg_bits_per_weight"):
         con.print(f"average bits per weight (scales included): {summ['avg_bits_per_weight']:.3f}")
     if emb_dtype:
