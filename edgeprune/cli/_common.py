@@ -126,7 +126,7 @@ def _parse_levels(items) -> dict:
 
 def describe_recipe(recipe: dict) -> str:
     """A recipe's ``to_dict()`` as one readable line: ``rtn (bits 4, group_size 64,
-    asym; ignore lm_head)``, stages joined by `` -> `` (not a raw Python dict)."""
+    asym, ignore lm_head)``, stages joined by `` -> `` (not a raw Python dict)."""
     parts = []
     for st in recipe.get("stages") or []:
         opts = []

@@ -96,7 +96,7 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
                                     asym_layout=asym_layout,
                                     provenance=dict(method=rec.to_dict(), source=src.to_dict(),
                                                     calibration=calib_info, seed=seed,
-                                                    embedding_dtype=emb_dtype or "float32"))
+                                                    embedding_dtype=emb_dtype or "as loaded"))
     summ = res.summary()
     con.print(f"compressed {model} with {describe_recipe(rec.to_dict())} in {res.seconds:.1f} s -> {path}")
     if summ.get("avg_bits_per_weight"):

@@ -105,6 +105,8 @@ def test_cli_rtn_and_magnitude_build_no_calibration(model_dir, tmp_path, monkeyp
                                      "--json", tmp_path / f"{argv[1]}.json"], capsys)
         assert code == 0, err
         assert "data-free, no calibration data" in stdout
+        assert "embedding stored in float16" in stdout and "{'name'" not in stdout   # no raw dict
+        assert ("with rtn (bits 4, group_size 32, asym, ignore lm_head)" in stdout) == (argv[1] == "rtn")
         rec = json.loads((out / "edgeprune_checkpoint.json").read_text())
         assert rec["calibration"] == {"source": None, "data_free": True}
         summ = json.loads((tmp_path / f"{argv[1]}.json").read_text())
