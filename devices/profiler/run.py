@@ -93,7 +93,7 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
             not isinstance(sweep, (list, tuple)) or not all(
                 isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in sweep)):
         raise GenerationError(f"sweep must be True or a list of context lengths, got {sweep!r}",
-                              "pass e.g. sweep=[128, 512, 1024] (CLI: --sweep for the default list)")
+                              "pass e.g. sweep=[128, 512, 1024] (CLI: --sweep 128,512,1024, or --sweep alone for the default list)")
     prof = load_profile(profile_name_or_obj, measure=False)
     # target profiles loaded now: a typo fails before the measurement, not after it
     if targets is None:     # projections only for the profile named, never by default for the host
