@@ -268,9 +268,53 @@ def _baseline_results(cfg, tasks: list[LayerTask], why: str) -> dict[str, LayerR
     return out
 
 
-def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
+def _check_calibration(model: nn.Module, calib_ids, attention_mask) -> dict:
+    """Check the calibration ids (and mask) against the model; returns the result's
+    ``calibration`` record (``nsamples``, ``seqlen``, ``tokens``).
+
+    Raises:
+        CalibrationError: empty or malformed ids / mask, ids outside the vocabulary.
+    """
+    if not isinstance(calib_ids, torch.Tensor) or calib_ids.dim() != 2 or calib_ids.numel() == 0:
+        raise CalibrationError(
+            f"calibration ids must be a non-empty [nsamples, seqlen] tensor, got "
+            f"{tuple(calib_ids.shape) if isinstance(calib_ids, torch.Tensor) else type(calib_ids).__name__}",
+            "build them with edgeprune.calibration (e.g. 32 windows of 512 tokens)")
+    if calib_ids.dtype not in (torch.int64, torch.int32):
+        raise CalibrationError(f"calibration ids have dtype {calib_ids.dtype}", "pass integer token ids")
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != tuple(calib_ids.shape):
+            raise CalibrationError(f"attention_mask shape {tuple(attention_mask.shape)} differs from the "
+                                   f"ids' {tuple(calib_ids.shape)}", "pass one mask entry per token")
+        if not bool(attention_mask.bool().any()):
+            raise CalibrationError("attention_mask masks out every calibration token",
+                                   "pass 1 for real tokens and 0 for padding")
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(emb, "num_embeddings", None)
+    if vocab is not None and calib_ids.numel() and \
+            (int(calib_ids.max()) >= vocab or int(calib_ids.min()) < 0):
+        raise CalibrationError(f"calibration ids span {int(calib_ids.min())}..{int(calib_ids.max())} "
+                               f"but the model's vocabulary has {vocab} tokens",
+                               "tokenize the calibration text with this model's tokenizer")
+    return {"nsamples": int(calib_ids.shape[0]), "seqlen": int(calib_ids.shape[1]),
+            "tokens": int(attention_mask.sum()) if attention_mask is not None else int(calib_ids.numel())}
+
+
+def needs_calibration(recipe) -> bool:
+    """Whether a recipe needs calibration data: True when any stage's method is not
+    ``data_free`` (the class attribute each method sets, read from the registry; RTN and
+    magnitude are data-free). Cheap: no model, no forward pass.
+
+    Raises:
+        ConfigError: an invalid recipe or an unknown method.
+    """
+    recipe = as_recipe(recipe)
+    return not all(get_method(c).data_free for c in recipe.stages)
+
+
+def compress(model: nn.Module, recipe, calib_ids: Optional[torch.Tensor] = None, *,
              attention_mask: Optional[torch.Tensor] = None, device: str | torch.device = "cpu",
-             progress: bool = True, batch_size: int = 8, measure_errors: bool = True,
+             progress: bool = True, batch_size: int = 8, measure_errors: Optional[bool] = None,
              error_tokens: int = 2048, check_finite: bool = True) -> CompressionResult:
     """Compress ``model`` in place with a recipe, block by block (sequential mode).
 
@@ -279,7 +323,9 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
             in eval mode.
         recipe: a :class:`~edgeprune.recipe.Recipe`, one method config
             (e.g. ``GPTQConfig(bits=4)``), a list of configs, a dict, or a recipe file path.
-        calib_ids: ``int64 [nsamples, seqlen]`` calibration token windows.
+        calib_ids: ``int64 [nsamples, seqlen]`` calibration token windows; may be
+            ``None`` when every stage's method is ``data_free`` (:func:`needs_calibration`)
+            and no error is measured: then no window is needed and no forward pass runs.
         attention_mask: optional ``[nsamples, seqlen]`` (1 = token, 0 = padding). Padded
             positions never enter a statistic; position ids follow the mask, so left- or
             right-padded batches give the same statistics as the unpadded samples.
@@ -287,7 +333,8 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
             in turn and returns to its original device.
         progress: show a tqdm bar per block ("block 3/30: gptq q_proj,k_proj,...").
         batch_size: calibration samples per forward pass.
-        measure_errors: fill ``layer_errors``.
+        measure_errors: fill ``layer_errors`` (needs ``calib_ids``); ``None``: when
+            ``calib_ids`` are given.
         error_tokens: the errors are measured on the first ``error_tokens`` valid
             calibration tokens seen by each layer (the same tokens for every method, so
             errors of different methods compare; methods that need a Hessian still use
@@ -304,7 +351,8 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
         ConfigError: invalid recipe or a layer shape the recipe cannot handle (raised
             before any weight changes); a ``device`` not available here.
         CalibrationError: empty or malformed calibration ids / mask, ids outside the
-            model's vocabulary.
+            model's vocabulary; no ids for a recipe that needs data or for
+            ``measure_errors=True``.
         CompressionError: (``check_finite``) the compressed model's activations or logits
             stop being finite, naming the layer where they stop (the model is left
             compressed in place; nothing is saved by the caller).
@@ -316,36 +364,23 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
     """
     t0 = time.perf_counter()
     recipe, prefix, blocks, methods, plan = _checked_plan(model, recipe)
-    if not isinstance(calib_ids, torch.Tensor) or calib_ids.dim() != 2 or calib_ids.numel() == 0:
+    if measure_errors is None:
+        measure_errors = calib_ids is not None
+    # data-free recipes (magnitude / RTN) without error measurement need no forward pass
+    need_data = measure_errors or not all(m.data_free for m in methods)
+    if calib_ids is None and need_data:
+        needy = sorted({c.method for c, m in zip(recipe.stages, methods) if not m.data_free})
         raise CalibrationError(
-            f"calibration ids must be a non-empty [nsamples, seqlen] tensor, got "
-            f"{tuple(calib_ids.shape) if isinstance(calib_ids, torch.Tensor) else type(calib_ids).__name__}",
-            "build them with edgeprune.calibration (e.g. 32 windows of 512 tokens)")
-    if calib_ids.dtype not in (torch.int64, torch.int32):
-        raise CalibrationError(f"calibration ids have dtype {calib_ids.dtype}", "pass integer token ids")
-    if attention_mask is not None:
-        if tuple(attention_mask.shape) != tuple(calib_ids.shape):
-            raise CalibrationError(f"attention_mask shape {tuple(attention_mask.shape)} differs from the "
-                                   f"ids' {tuple(calib_ids.shape)}", "pass one mask entry per token")
-        if not bool(attention_mask.bool().any()):
-            raise CalibrationError("attention_mask masks out every calibration token",
-                                   "pass 1 for real tokens and 0 for padding")
+            f"no calibration ids: {' and '.join(needy)} needs calibration data" if needy else
+            "no calibration ids: measure_errors=True measures the errors on calibration data",
+            "build them with edgeprune.calibration (e.g. 32 windows of 512 tokens)"
+            + ("" if needy else ", or pass measure_errors=False"))
     if batch_size < 1:
         raise ConfigError(f"batch_size={batch_size} must be >= 1", "use e.g. 8")
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    vocab = getattr(emb, "num_embeddings", None)
-    if vocab is not None and calib_ids.numel() and \
-            (int(calib_ids.max()) >= vocab or int(calib_ids.min()) < 0):
-        raise CalibrationError(f"calibration ids span {int(calib_ids.min())}..{int(calib_ids.max())} "
-                               f"but the model's vocabulary has {vocab} tokens",
-                               "tokenize the calibration text with this model's tokenizer")
+    calibration = {} if calib_ids is None else _check_calibration(model, calib_ids, attention_mask)
     device = check_device(device)
 
-    result = CompressionResult(recipe=recipe.to_dict(),
-                               calibration={"nsamples": int(calib_ids.shape[0]),
-                                            "seqlen": int(calib_ids.shape[1]),
-                                            "tokens": int(attention_mask.sum()) if attention_mask is not None
-                                            else int(calib_ids.numel())})
+    result = CompressionResult(recipe=recipe.to_dict(), calibration=calibration)
     was_training = model.training
     model.eval()
     # Non-block modules (embeddings, rotary, final norm) go to `device` for the capture.
@@ -358,8 +393,6 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
             move_own_tensors(mod, device)
     bar = None
     try:
-        # data-free recipes (magnitude / RTN without error measurement) need no forward pass
-        need_data = measure_errors or not all(m.data_free for m in methods)
         batches = []
         if need_data:
             with torch.no_grad():
@@ -487,4 +520,5 @@ def _write_back(task: LayerTask, r: LayerResult, result: CompressionResult) -> N
     result.fallbacks.extend(r.notes)
 
 
-__all__ = ["compress", "CompressionResult", "FallbackWarning", "find_decoder_blocks"]
+__all__ = ["compress", "check_recipe", "needs_calibration", "CompressionResult", "FallbackWarning",
+           "find_decoder_blocks"]

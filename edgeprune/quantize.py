@@ -160,6 +160,12 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``W_hat [out, in] = (codes - zeros[:, g]) * scales[:, g]``."""
+        out, inp = self.codes.shape
+        n = self.scales.shape[1]
+        if self.g_idx is None and inp == n * self.group_size:    # whole groups, default order
+            c = self.codes.float().reshape(out, n, self.group_size)
+            w = (c - self.zeros.float()[:, :, None]) * self.scales.float()[:, :, None]
+            return w.reshape(out, inp).to(dtype)
         g = self.group_index()
         return ((self.codes.float() - self.zeros.float()[:, g]) * self.scales.float()[:, g]).to(dtype)
 
@@ -198,10 +204,17 @@ def rtn_quantize(w: torch.Tensor, bits: int = 4, group_size: int = DEFAULT_GROUP
     out, inp = w.shape
     gs = check_quant_args(bits, group_size, inp, pad_groups=pad_groups, name=name)
     n_groups = math.ceil(inp / gs)
+    wf = w.detach().float()
+    if inp == n_groups * gs:       # whole groups: every group one row of a [out*n_groups, gs] view
+        c = clip.reshape(-1, 1) if isinstance(clip, torch.Tensor) and clip.dim() == 2 else clip
+        wg = wf.reshape(out * n_groups, gs)
+        s, z = qparams(wg, bits, sym, c)
+        return QuantizedWeight(codes=quantize_codes(wg, s, z, bits).to(torch.uint8).reshape(out, inp),
+                               scales=s.reshape(out, n_groups), zeros=z.to(torch.uint8).reshape(out, n_groups),
+                               bits=bits, group_size=gs, sym=sym)
     codes = torch.empty(out, inp, dtype=torch.uint8)
     scales = torch.empty(out, n_groups, dtype=torch.float32)
     zeros = torch.empty(out, n_groups, dtype=torch.uint8)
-    wf = w.detach().float()
     for g in range(n_groups):
         sl = slice(g * gs, min((g + 1) * gs, inp))
         c = clip[:, g:g + 1] if isinstance(clip, torch.Tensor) and clip.dim() == 2 else clip

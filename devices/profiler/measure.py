@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -160,13 +160,22 @@ def _prompt_ids(tokenizer, n: int, vocab: int) -> list[int]:
     return (ids * reps)[:n]
 
 
-def measure_export(cfg: dict) -> dict:
+def step_labels(cfg: dict) -> list[str]:
+    """What :func:`measure_export` does, one label per step it reports (load and warm-up,
+    each timed run, each sweep context): the progress bar's steps."""
+    n = int(cfg["repeat"])
+    return (["load + warm-up"] + [f"run {i + 1}/{n}" for i in range(n)]
+            + [f"context {int(c)}" for c in cfg.get("sweep") or []])
+
+
+def measure_export(cfg: dict, on_step: Optional[Callable[[], None]] = None) -> dict:
     """Run the measurements of one profile (called in the worker process).
 
     Args:
         cfg: ``folder``, ``device``, ``threads``, ``prompt_len``, ``gen_len``, ``repeat``,
             ``sweep`` (context lengths), ``max_length``, ``budget_bytes``,
             ``profile_name``, ``status_path`` (isolated worker only).
+        on_step: called after each step of :func:`step_labels` (progress).
 
     Returns:
         The measured figures (``ProfileReport.measured``, plus ``sweep`` rows).
@@ -189,6 +198,8 @@ def measure_export(cfg: dict) -> dict:
         P, G = int(cfg["prompt_len"]), int(cfg["gen_len"])
         ids = _prompt_ids(sess.tokenizer, P, int(sess.vocab_size))
         sess.generate(ids[: max(1, min(P, 16))], max_new_tokens=min(4, G))  # warm-up
+        step = on_step or (lambda: None)
+        step()
         ttft, prefill, steps, decode_runs = [], [], [], []
         for _ in range(int(cfg["repeat"])):
             r = sess.generate(ids, max_new_tokens=G)
@@ -197,6 +208,7 @@ def measure_export(cfg: dict) -> dict:
             prefill.append(r.prefill_tok_s)
             steps.extend(r.step_ms)
             decode_runs.append(r.decode_tok_s)
+            step()
         # the headline peak is this setting's own (the sweep's longer contexts come after)
         peak = max(watch.peak, _vm_hwm())
         sweep = []
@@ -207,6 +219,7 @@ def measure_export(cfg: dict) -> dict:
             kv = sess.kv_cache_bytes(int(c) + SWEEP_NEW_TOKENS - 1)
             sweep.append({"context": int(c), "decode_step_ms": st, "decode_tok_s": 1000.0 / st if st > 0 else 0.0,
                           "rss_bytes": watch.rss(), "ttft_ms": r.ttft_ms, "kv_bytes": int(kv["k"] + kv["v"])})
+            step()
         kv = sess.kv_cache_bytes(P + G - 1)      # the last new token is never fed back
         weights = int(sess.weights_bytes)
         sess.close()
@@ -227,35 +240,37 @@ def measure_export(cfg: dict) -> dict:
     }
 
 
-def run_worker(cfg: dict, isolate: bool, timeout: float) -> dict:
+def run_worker(cfg: dict, isolate: bool, timeout: float,
+               on_step: Optional[Callable[[], None]] = None) -> dict:
     """:func:`measure_export` of ``cfg`` in a fresh ``python -m devices.profiler --worker``
     process (``isolate``; abandoned after ``timeout`` seconds), or in this one.
+    ``on_step`` is called here after each step the measurement reports (:func:`step_labels`).
 
     Raises:
         DeviceError: the worker went over the memory budget, timed out or failed.
         RuntimeLoadError, GenerationError: raised in the worker, raised again here.
     """
     if not isolate:
-        return measure_export(cfg)
+        return measure_export(cfg, on_step)
     remove_stale_workdirs()
     with tempfile.TemporaryDirectory(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-") as td:
-        cfg = dict(cfg, status_path=str(Path(td) / "status.json"), parent_pid=os.getpid())
+        cfg = dict(cfg, status_path=str(Path(td) / "status.json"), parent_pid=os.getpid(),
+                   progress_path=str(Path(td) / "progress"))
         cfg_path, out_path = Path(td) / "cfg.json", Path(td) / "out.json"
         cfg_path.write_text(json.dumps(cfg))
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        try:
-            proc = subprocess.run([sys.executable, "-m", "devices.profiler", "--worker", str(cfg_path), str(out_path)],
-                                  capture_output=True, text=True, env=env, timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            raise DeviceError(f"the profiling run did not finish within {timeout:.0f} s",
-                              "lower --repeat / --gen-len / the sweep, or raise the timeout") from e
+        log = Path(td) / "worker.log"
+        with open(log, "w") as log_f:
+            proc = subprocess.Popen([sys.executable, "-m", "devices.profiler", "--worker", str(cfg_path),
+                                     str(out_path)], stdout=log_f, stderr=subprocess.STDOUT, text=True, env=env)
+            _wait_worker(proc, timeout, Path(cfg["progress_path"]), on_step)
         if proc.returncode == BUDGET_EXIT and Path(cfg["status_path"]).exists():
             st = json.loads(Path(cfg["status_path"]).read_text())
             raise budget_error(st["rss_bytes"], st["budget_bytes"], cfg["profile_name"])
         if proc.returncode != 0 or not out_path.exists():
-            tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-12:]
+            tail = log.read_text(errors="replace").strip().splitlines()[-12:]
             err = json.loads(out_path.read_text()) if out_path.exists() else {}
             if err.get("error_class") in ("GenerationError", "RuntimeLoadError", "DeviceError"):
                 cls = {"GenerationError": GenerationError, "RuntimeLoadError": RuntimeLoadError,
@@ -264,6 +279,37 @@ def run_worker(cfg: dict, isolate: bool, timeout: float) -> dict:
             raise DeviceError("the profiling worker failed: " + " | ".join(tail)[-800:],
                               "run `python -m devices.profiler --worker` by hand to see the full error")
         return json.loads(out_path.read_text())
+
+
+def _wait_worker(proc: subprocess.Popen, timeout: float, progress_path: Path,
+                 on_step: Optional[Callable[[], None]]) -> None:
+    """Wait for the worker, calling ``on_step`` for each line it adds to
+    ``progress_path``; the worker is killed on a timeout or an interrupt.
+
+    Raises:
+        DeviceError: the worker ran past ``timeout`` seconds.
+    """
+    deadline, seen = time.monotonic() + timeout, 0
+    try:
+        while True:
+            try:
+                proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+            if on_step is not None and progress_path.exists():
+                done = progress_path.read_text().count("\n")
+                for _ in range(done - seen):
+                    on_step()
+                seen = max(seen, done)
+            if proc.returncode is not None:
+                return
+            if time.monotonic() > deadline:
+                raise DeviceError(f"the profiling run did not finish within {timeout:.0f} s",
+                                  "lower --repeat / --gen-len / the sweep, or raise the timeout")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def remove_stale_workdirs(root: Optional[Path] = None) -> list[Path]:
@@ -308,8 +354,15 @@ def worker_main(argv: list[str]) -> int:
     cfg = json.loads(Path(cfg_path).read_text())
     if cfg.get("parent_pid"):
         die_with_parent(int(cfg["parent_pid"]), Path(cfg_path).parent)
+    progress = cfg.get("progress_path")
+
+    def step():
+        if progress:
+            with open(progress, "a") as f:
+                f.write("step\n")
+
     try:
-        res = measure_export(cfg)
+        res = measure_export(cfg, step)
     except (GenerationError, RuntimeLoadError, DeviceError) as e:
         Path(out_path).write_text(json.dumps({"error_class": type(e).__name__, "message": e.message, "hint": e.hint}))
         return 1
@@ -317,6 +370,6 @@ def worker_main(argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["RSSWatch", "run_worker", "measure_export", "worker_main", "gpu_availability", "budget_error",
+__all__ = ["RSSWatch", "run_worker", "measure_export", "step_labels", "worker_main", "gpu_availability", "budget_error",
            "remove_stale_workdirs", "die_with_parent", "SWEEP_NEW_TOKENS", "BUDGET_EXIT",
            "PARENT_GONE_EXIT", "WORKDIR_PREFIX"]

@@ -17,6 +17,30 @@ from runtime.files import atomic_write
 MiB = 1024 * 1024
 
 
+def _table(head: list, rows: list) -> list[str]:
+    """Markdown table lines."""
+    return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def model_name(meta: dict, folder: Union[str, Path]) -> str:
+    """The model an export was made from, for titles: the source the user named (an
+    alias such as ``smollm2-135m``, a file or folder name) from ``edgeprune.json``'s
+    provenance, with the export's precision; the folder's name when none is recorded."""
+    prov = meta.get("provenance") or {}
+    comp = prov.get("compression") if isinstance(prov.get("compression"), dict) else {}
+    name = None
+    for src in ((comp.get("provenance") or {}).get("source"), comp.get("source"), prov.get("source")):
+        if isinstance(src, dict):
+            src = src.get("spec") or src.get("path")
+        if isinstance(src, str) and src.strip():
+            name = Path(src.rstrip("/")).name or src
+            break
+    name = name or Path(folder).name
+    precision = meta.get("precision")
+    return f"{name} ({precision})" if precision else name
+
+
 def _fmt(v: Optional[float], decimals: int) -> str:
     """A table cell: ``decimals`` places (thousands separated) from 1 up, two significant
     digits below (a tiny model's 0.004 MiB KV cache is not "0.0"), "—" for ``None``."""
@@ -48,6 +72,7 @@ class ProfileReport:
         gpu: ``{"available": bool, "reason": str}`` for GPU profiles.
         notes: caveats (noise, thread caps, emulation...).
         plot_path: PNG of the sweep when drawn.
+        model: the model's name and precision (:func:`model_name`), for titles.
     """
 
     folder: str
@@ -62,6 +87,7 @@ class ProfileReport:
     gpu: Optional[dict] = None
     notes: list = dataclasses.field(default_factory=list)
     plot_path: Optional[str] = None
+    model: str = ""
 
     def to_dict(self) -> dict:
         """JSON-friendly dict."""
@@ -75,38 +101,52 @@ class ProfileReport:
         return text
 
     def to_markdown(self) -> str:
-        """A Markdown table: measured column, then one labelled "projected" column per target."""
+        """Markdown: the measured table, then (only with projections) a separate table
+        headed "Projected, not measured", one column per target, then the sweep."""
         m = self.measured
         targets = list(self.projected)
-        head = ["metric", f"measured ({self.ran_on})"] + [f"projected: {t}" for t in targets]
-        rows = []
+        rows = []          # [metric, measured cell, [projected cells]]
 
         def proj(key, fmt):
             return [fmt(self.projected[t].get(key)) for t in targets]
 
         f1 = lambda v: _fmt(v, 1)  # noqa: E731
         mib = lambda v: "—" if v is None else _fmt(v / MiB, 1)  # noqa: E731
-        rows.append(["time to first token (ms)", f1(m["ttft_ms"]["median"])] + proj("ttft_ms", f1))
-        rows.append(["prefill tokens/s (median)", f1(m["prefill_tok_s"]["median"])] + proj("prefill_tok_s", f1))
-        rows.append(["decode tokens/s (median)", f1(m["decode_tok_s"]["median"])] + proj("decode_tok_s", f1))
-        rows.append(["decode tokens/s (p90 latency)", f1(m["decode_tok_s"]["p90"])] + proj("decode_tok_s_p90", f1))
+        rows.append(["time to first token (ms)", f1(m["ttft_ms"]["median"]), proj("ttft_ms", f1)])
+        rows.append(["prefill tokens/s (median)", f1(m["prefill_tok_s"]["median"]), proj("prefill_tok_s", f1)])
+        rows.append(["decode tokens/s (median)", f1(m["decode_tok_s"]["median"]), proj("decode_tok_s", f1)])
+        rows.append(["decode tokens/s (p90 latency)", f1(m["decode_tok_s"]["p90"]), proj("decode_tok_s_p90", f1)])
         rows.append(["decode step ms (median / p90)",
-                     f"{_fmt(m['decode_step_ms']['median'], 2)} / {_fmt(m['decode_step_ms']['p90'], 2)}"]
-                    + proj("decode_step_ms", lambda v: _fmt(v, 2)))
-        rows.append(["peak RSS (MiB)", mib(m["peak_rss_bytes"])]
-                    + [f"{mib(self.projected[t].get('peak_memory_bytes'))} "
-                       f"({'fits' if self.projected[t].get('fits_budget') else 'OVER'} "
-                       f"{mib(self.projected[t].get('memory_budget_bytes'))})" for t in targets])
-        rows.append(["weights (MiB)", mib(m["weights_bytes"])] + [mib(m["weights_bytes"])] * len(targets))
+                     f"{_fmt(m['decode_step_ms']['median'], 2)} / {_fmt(m['decode_step_ms']['p90'], 2)}",
+                     proj("decode_step_ms", lambda v: _fmt(v, 2))])
+        rows.append(["peak RSS (MiB)", mib(m["peak_rss_bytes"]),
+                     [f"{mib(self.projected[t].get('peak_memory_bytes'))} "
+                      f"({'fits' if self.projected[t].get('fits_budget') else 'OVER'} "
+                      f"{mib(self.projected[t].get('memory_budget_bytes'))})" for t in targets]])
+        rows.append(["weights (MiB)", mib(m["weights_bytes"]), [mib(m["weights_bytes"])] * len(targets)])
         kv = m["kv_bytes"]
         kvs = f"{mib(kv['k'])} / {mib(kv['v'])}"
-        rows.append([f"KV cache K / V, {m['kv_tokens']} cached tokens (MiB)", kvs] + [kvs] * len(targets))
-        rows.append(["bound (roofline)", "—"] + proj("bound", lambda v: v or "—"))
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-        out = [f"### Profile of `{self.folder}` on `{self.profile['name']}`", "",
+        rows.append([f"KV cache K / V, {m['kv_tokens']} cached tokens (MiB)", kvs, [kvs] * len(targets)])
+        title = f"`{self.folder}`" + (f" ({self.model})" if self.model else "")
+        out = [f"### Profile of {title} on `{self.profile['name']}`", "",
                f"prompt {self.settings['prompt_len']} tokens, {self.settings['gen_len']} new tokens, "
-               f"{self.settings['repeat']} run{'s' if self.settings['repeat'] != 1 else ''}, batch 1.", ""] + lines
+               f"{self.settings['repeat']} run{'s' if self.settings['repeat'] != 1 else ''}, batch 1.", ""]
+        out += _table(["metric", f"measured ({self.ran_on})"], [r[:2] for r in rows])
+        if targets:
+            rows.append(["bound (roofline)", "—", proj("bound", lambda v: v or "—")])
+            out += ["", "#### Projected, not measured (roofline estimates for profiles not at hand)", ""]
+            out += _table(["metric"] + [f"projected: {t}" for t in targets], [[r[0]] + r[2] for r in rows])
+            h = self.host
+            out += ["", f"Projected columns are roofline estimates (not measurements): "
+                        f"t = max(bytes/bandwidth, ops/peak) on the target x (host measured / host roofline); "
+                        f"host {h.get('bandwidth_gbs', 0):.1f} GB/s, {h.get('peak_fp32_gflops', 0):.0f} GFLOP/s fp32, "
+                        f"{h.get('peak_int8_gops', 0):.0f} GOP/s int8; {self.work.get('weight_bytes_per_token', 0) / MiB:.1f} MiB "
+                        f"and {self.work.get('weight_ops_per_token', 0) / 1e9:.3f} GOP of weights per token ({self.work.get('compute')}). "
+                        "The targets' spec-sheet peaks are first scaled to what a measurement would sustain "
+                        "(profile fields bandwidth_efficiency / compute_efficiency, defaults 0.6 / 0.5), as the "
+                        "host's figures are measured; GPU targets are floored at graph nodes x kernel_launch_us "
+                        "per run (bound \"launch\"). Projected memory: CPU targets carry the host's measured "
+                        "peak RSS; GPU targets count device memory as weights + KV cache."]
         if self.gpu is not None:
             why = str(self.gpu["reason"])
             for lead in ("not available here", "not available"):
@@ -126,32 +166,41 @@ class ProfileReport:
                             f"is the {self.measured['final_length']}-token setting's own)."]
             if self.plot_path:
                 out += ["", f"Plot: `{self.plot_path}`"]
-        if self.projected:
-            h = self.host
-            out += ["", f"Projected columns are roofline estimates (not measurements): "
-                        f"t = max(bytes/bandwidth, ops/peak) on the target x (host measured / host roofline); "
-                        f"host {h.get('bandwidth_gbs', 0):.1f} GB/s, {h.get('peak_fp32_gflops', 0):.0f} GFLOP/s fp32, "
-                        f"{h.get('peak_int8_gops', 0):.0f} GOP/s int8; {self.work.get('weight_bytes_per_token', 0) / MiB:.1f} MiB "
-                        f"and {self.work.get('weight_ops_per_token', 0) / 1e9:.3f} GOP of weights per token ({self.work.get('compute')}). "
-                        "The targets' spec-sheet peaks are first scaled to what a measurement would sustain "
-                        "(profile fields bandwidth_efficiency / compute_efficiency, defaults 0.6 / 0.5), as the "
-                        "host's figures are measured; GPU targets are floored at graph nodes x kernel_launch_us "
-                        "per run (bound \"launch\"). Projected memory: CPU targets carry the host's measured "
-                        "peak RSS; GPU targets count device memory as weights + KV cache."]
         for n in self.notes:
             out.append(f"- {n}")
         return "\n".join(out) + "\n"
 
     def plot(self, path: Union[str, Path]) -> Optional[str]:
-        """Draw decode latency and memory vs context (PNG, matplotlib Agg); returns the path."""
+        """Draw decode latency and memory vs context (PNG, matplotlib Agg; :meth:`figure`)
+        to ``path`` atomically; returns the path (``None`` without a sweep)."""
         if not self.sweep:
             return None
+        import matplotlib.pyplot as plt
+
+        fig = self.figure()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp.png")
+        fig.savefig(tmp, dpi=110)
+        plt.close(fig)
+        os.replace(tmp, path)
+        self.plot_path = str(path)
+        return self.plot_path
+
+    def figure(self):
+        """The sweep's matplotlib figure: decode step latency (measured, and projected
+        targets dashed) and memory (RSS, KV cache, weights) against the context length on
+        a log2 axis, titled with the model's name and where it was measured."""
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         ctx = [s["context"] for s in self.sweep]
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        for ax in (a1, a2):       # contexts double: a log axis spaces them evenly
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ctx, [str(c) for c in ctx])
+            ax.minorticks_off()
         a1.plot(ctx, [s["decode_step_ms"] for s in self.sweep], "o-", label="measured (host)")
         for t, p in self.projected.items():
             sc = p.get("sweep_step_ms")
@@ -170,16 +219,9 @@ class ProfileReport:
         a2.set_title("memory vs context")
         a2.grid(alpha=0.3)
         a2.legend(fontsize=7)
-        fig.suptitle(f"{Path(self.folder).name} on {self.ran_on}", fontsize=9)
+        fig.suptitle(f"{self.model or Path(self.folder).name}: measured on {self.ran_on}", fontsize=9)
         fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp.png")
-        fig.savefig(tmp, dpi=110)
-        plt.close(fig)
-        os.replace(tmp, path)
-        self.plot_path = str(path)
-        return self.plot_path
+        return fig
 
 
-__all__ = ["ProfileReport"]
+__all__ = ["ProfileReport", "model_name"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -12,15 +13,17 @@ import numpy as np
 
 from runtime.errors import DeviceError, GenerationError, RuntimeLoadError
 
-from ..catalog import list_profiles, load_profile
+from ..catalog import load_profile
 from . import measure
-from .measure import SWEEP_NEW_TOKENS, gpu_availability
+from .measure import SWEEP_NEW_TOKENS, gpu_availability, step_labels
 from .project import host_profile, project_target
-from .report import MiB, ProfileReport
+from .report import MiB, ProfileReport, model_name
 from .work import model_work
 
-#: context lengths of ``sweep=True`` (capped by the export's max length)
+#: context lengths of ``sweep=True`` (those that fit the export's max length; never longer)
 DEFAULT_SWEEP = (128, 256, 512, 1024, 2048)
+#: prefix of the temporary folder a sweep plot goes to without ``out_dir``
+PLOT_DIR_PREFIX = "edgeprune-sweep-"
 
 
 def check_profile_args(prompt_len, gen_len, repeat, threads=None) -> None:
@@ -42,7 +45,8 @@ def check_profile_args(prompt_len, gen_len, repeat, threads=None) -> None:
 def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", prompt_len: int = 128,
             gen_len: int = 128, repeat: int = 5, sweep: Union[None, bool, Sequence[int]] = None,
             targets: Optional[Sequence[str]] = None, out_dir: Union[str, Path, None] = None,
-            isolate: bool = True, timeout: float = 1800.0, threads: Optional[int] = None) -> ProfileReport:
+            isolate: bool = True, timeout: float = 1800.0, threads: Optional[int] = None,
+            progress: bool = False) -> ProfileReport:
     """Measure ``folder`` on this host under a device profile and project to targets.
 
     Args:
@@ -55,17 +59,21 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
         prompt_len: prompt tokens (batch 1).
         gen_len: new tokens per run (end-of-sequence is ignored so every run makes ``gen_len``).
         repeat: timed runs (after one warm-up).
-        sweep: context lengths for the latency/memory sweep (``True``: 128..2048 capped
-            by the export's max length); ``None``/``False``: no sweep.
+        sweep: context lengths for the latency/memory sweep (``True``:
+            :data:`DEFAULT_SWEEP`, 128..2048, those that fit the export's max length);
+            ``None``/``False``: no sweep.
         targets: profile names to project to (default: the chosen profile when it is not
-            the host, else every non-host profile).
-        out_dir: where the sweep PNG goes (default ``runs/profile-<name>`` in the cwd).
+            the host, else none: projections are made only for profiles asked for).
+        out_dir: where the sweep PNG goes (default: a new temporary folder
+            ``edgeprune-sweep-*``, named in the report's notes); nothing else is written.
         isolate: measure in a fresh subprocess importing only the runtime (True; False
             runs in this process: RSS then includes the caller's memory, and the memory
             budget is checked between runs, raising ``DeviceError``, where the isolated
             worker is stopped the moment it goes over).
         timeout: seconds before the worker is abandoned.
         threads: run with this many threads instead of the profile's (noted in the report).
+        progress: show a progress bar (tqdm, on stderr) over load + warm-up, the timed
+            runs and the sweep's contexts.
 
     Returns:
         :class:`ProfileReport`.
@@ -85,11 +93,11 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
             not isinstance(sweep, (list, tuple)) or not all(
                 isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in sweep)):
         raise GenerationError(f"sweep must be True or a list of context lengths, got {sweep!r}",
-                              "pass e.g. sweep=[128, 512, 1024] (CLI: --sweep for the default list)")
+                              "pass e.g. sweep=[128, 512, 1024] (CLI: --sweep 128,512,1024, or --sweep alone for the default list)")
     prof = load_profile(profile_name_or_obj, measure=False)
     # target profiles loaded now: a typo fails before the measurement, not after it
-    if targets is None:     # the default targets too: a broken profile file fails now
-        tgts = [prof] if not prof.is_host else [p for p in list_profiles() if not p.is_host]
+    if targets is None:     # projections only for the profile named, never by default for the host
+        tgts = [prof] if not prof.is_host else []
     else:
         tgts = [load_profile(n, measure=False) for n in targets]
     try:
@@ -119,9 +127,8 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
             prof.execution_provider != "CUDAExecutionProvider":      # (GPU profiles: no CPU threads)
         notes.append(f"threads set to {asked} (the profile {prof.name} says {prof.threads}).")
     if sweep is True:
-        sweep_list = [c for c in DEFAULT_SWEEP if c + SWEEP_NEW_TOKENS <= export_max]
-        if export_max - SWEEP_NEW_TOKENS > (sweep_list or [0])[-1]:
-            sweep_list.append(export_max - SWEEP_NEW_TOKENS)      # up to the export's context
+        sweep_list = [c for c in DEFAULT_SWEEP if c + SWEEP_NEW_TOKENS <= export_max] or \
+            ([export_max - SWEEP_NEW_TOKENS] if export_max > SWEEP_NEW_TOKENS else [])
     elif sweep:
         sweep_list = sorted({int(c) for c in sweep})
         bad = [c for c in sweep_list if c < 1 or c + SWEEP_NEW_TOKENS > export_max]
@@ -140,7 +147,7 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
     cfg = {"folder": str(folder), "device": device, "threads": threads, "prompt_len": int(prompt_len),
            "gen_len": int(gen_len), "repeat": int(repeat), "sweep": sweep_list, "max_length": need,
            "budget_bytes": int(prof.memory_budget_bytes), "profile_name": prof.name}
-    measured = measure.run_worker(cfg, isolate, timeout)
+    measured = _measure(cfg, isolate, timeout, progress)
     if measured["peak_rss_bytes"] > prof.memory_budget_bytes:
         raise DeviceError(f"peak RSS {measured['peak_rss_bytes'] / MiB:.1f} MiB exceeded the memory budget of profile "
                           f"{prof.name!r} ({prof.memory_budget_bytes / MiB:.1f} MiB)",
@@ -168,11 +175,32 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
                                      "seconds": round(time.perf_counter() - t0, 2)},
                            measured=measured, projected=projected, work=work,
                            host={k: host_fig[k] for k in ("bandwidth_gbs", "peak_fp32_gflops", "peak_int8_gops")},
-                           sweep=sweep_rows, gpu=gpu, notes=notes)
+                           sweep=sweep_rows, gpu=gpu, notes=notes, model=model_name(meta, folder))
     if sweep_rows:
-        out = Path(out_dir) if out_dir is not None else Path.cwd() / "runs" / f"profile-{prof.name}"
+        if out_dir is None:
+            out = Path(tempfile.mkdtemp(prefix=PLOT_DIR_PREFIX))
+            notes.append(f"The sweep plot went to the temporary folder {out} (pass --out to choose the folder).")
+        else:
+            out = Path(out_dir)
         report.plot(out / f"sweep-{folder.name}-{prof.name}.png")
     return report
 
 
-__all__ = ["profile", "check_profile_args", "DEFAULT_SWEEP"]
+def _measure(cfg: dict, isolate: bool, timeout: float, progress: bool) -> dict:
+    """:func:`~devices.profiler.measure.run_worker`, with a tqdm bar over its steps when
+    ``progress`` (its description names the step running)."""
+    if not progress:
+        return measure.run_worker(cfg, isolate, timeout)
+    from tqdm.auto import tqdm
+
+    labels = step_labels(cfg)
+    with tqdm(total=len(labels), desc=f"profile: {labels[0]}", unit="step", leave=False) as bar:
+        def step():
+            bar.update(1)
+            if bar.n < len(labels):
+                bar.set_description(f"profile: {labels[bar.n]}")
+
+        return measure.run_worker(cfg, isolate, timeout, step)
+
+
+__all__ = ["profile", "check_profile_args", "DEFAULT_SWEEP", "PLOT_DIR_PREFIX"]

@@ -11,8 +11,14 @@ Two on-disk formats (:func:`save_checkpoint`, ``format=``):
       along the input dimension, element ``i`` at bits ``[i*bits, (i+1)*bits)`` of the
       row's little-endian bit stream (values may straddle two words for 3-bit);
     * ``weight_scale``   ``float32 [out, n_groups]``;
-    * ``weight_zero_point`` ``int32 [ceil(out*bits/32), n_groups]`` (asymmetric only),
-      packed the same way along the *output* dimension;
+    * ``weight_zero_point`` ``int32 [out, n_groups]`` (asymmetric only): packed the same
+      way along the *output* dimension into the first ``ceil(out*bits/32)`` rows, the
+      rest zero. The padding gives the tensor the shape transformers 5.24 +
+      compressed-tensors 0.20 allocate for it (llm-compressor#1618), and their
+      unpacking reads only the leading rows, so plain transformers loads it;
+      ``asym_layout="pack-quantized-compact"`` writes the unpadded
+      ``[ceil(out*bits/32), n_groups]`` of llm-compressor (``"naive-quantized"``: one
+      int8 per code);
     * ``weight_shape``   ``int64 [2]`` = ``(out, in)``;
     * ``weight_g_idx``   ``int32 [in]`` only for GPTQ ``act_order`` with dynamic groups
       (``actorder: "group"``; compressed-tensors >= 0.15 refuses such checkpoints with a
@@ -34,6 +40,11 @@ Two on-disk formats (:func:`save_checkpoint`, ``format=``):
     sidecar ``edgeprune_qparams.safetensors`` (scales, zero points, ``g_idx``) from which
     :func:`load_checkpoint` re-derives the integer codes exactly and checks them.
 
+In the compressed-tensors format the embedding (and an unquantized untied head) is stored
+in 16 bits whenever that keeps every value; :func:`round_embeddings` (what ``edgeprune
+compress`` does by default, ``--embedding-dtype``) puts a float32 model's embedding on a
+16-bit grid first, so a 4-bit SmolLM2-135M checkpoint is ~0.24x its float32 size.
+
 Both formats also get:
 
 * an ``edgeprune`` section in ``config.json`` and a separate ``edgeprune_checkpoint.json``
@@ -53,7 +64,8 @@ Writes are atomic: everything goes to a temporary folder next to ``out_dir``, wh
 renamed into place only when complete; on any failure nothing is left behind and an
 existing ``out_dir`` is untouched.
 
-The package: :mod:`.pack` (compressed-tensors bit packing), :mod:`.format` (file names,
+The package: :mod:`.pack` (compressed-tensors bit packing), :mod:`.embeddings` (16-bit
+embeddings), :mod:`.format` (file names,
 :class:`CheckpointInfo`), :mod:`.folder` (the output guard and claim on a checkpoint
 folder), :mod:`.save` and :mod:`.load`.
 """
@@ -61,11 +73,13 @@ folder), :mod:`.save` and :mod:`.load`.
 from .folder import CHECKPOINT_OUTPUT, check_out_dir, claim_out_dir
 from .format import (CHECKPOINT_FILES, CHECKPOINT_JSON, FORMATS, MASKS_FILE, QPARAMS_FILE,
                      SCHEMA_VERSION, WEIGHTS_FILE, CheckpointInfo, is_edgeprune_checkpoint)
+from .embeddings import EMBEDDING_DTYPES, round_embeddings, storage_dtype
 from .load import load_checkpoint
 from .pack import pack_int32, unpack_int32
-from .save import save_checkpoint
+from .save import ASYM_LAYOUTS, save_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "is_edgeprune_checkpoint", "CheckpointInfo",
            "pack_int32", "unpack_int32", "FORMATS", "check_out_dir", "claim_out_dir",
            "CHECKPOINT_OUTPUT", "CHECKPOINT_JSON", "CHECKPOINT_FILES", "QPARAMS_FILE",
-           "MASKS_FILE", "WEIGHTS_FILE", "SCHEMA_VERSION"]
+           "MASKS_FILE", "WEIGHTS_FILE", "SCHEMA_VERSION", "ASYM_LAYOUTS", "EMBEDDING_DTYPES",
+           "round_embeddings", "storage_dtype"]

@@ -15,7 +15,7 @@ from ..errors import CheckpointError
 from ..quantize import QuantizedWeight
 from .format import (CHECKPOINT_JSON, MASKS_FILE, QPARAMS_FILE, WEIGHTS_FILE, CheckpointInfo,
                      embedding_names, text_config)
-from .pack import unpack_int32, unpack_mask
+from .pack import unpack_int32, unpack_mask, unpad_rows
 from .validate import (CHECKPOINT_FIX, TOKENIZER_JSON, check_config, check_tokenizer_files,
                        read_json_object, safetensors_header, shape_mismatch, transformers_config,
                        weight_files)
@@ -154,7 +154,8 @@ def _empty_model(folder: Path):
 def _decode_layer(name: str, args: dict, tensors: dict) -> QuantizedWeight:
     """One compressed-tensors layer (its tensors popped from ``tensors``): pack-quantized
     (``weight_packed``) or naive-quantized (signed int8 ``weight``) codes, scales, zero
-    points (packed along the output dimension), ``g_idx``.
+    points (packed along the output dimension, zero-padded to ``[out, n_groups]`` or not),
+    ``g_idx``.
 
     Raises:
         CheckpointError: an unsupported scheme, or a layer missing its tensors.
@@ -187,7 +188,7 @@ def _decode_layer(name: str, args: dict, tensors: dict) -> QuantizedWeight:
         raise CheckpointError(f"{name}: asymmetric scheme without weight_zero_point",
                               "the checkpoint is incomplete")
     elif packed is not None:
-        zeros = unpack_int32(zp, bits, (shape[0], n_groups), 0)
+        zeros = unpack_int32(unpad_rows(zp, shape[0], bits), bits, (shape[0], n_groups), 0)
     else:
         zeros = (zp.to(torch.int16).reshape(shape[0], n_groups) + mid).to(torch.uint8)
     g_idx = tensors.pop(f"{name}.weight_g_idx", None)

@@ -35,6 +35,12 @@ def pack_int32(values: torch.Tensor, bits: int, packed_dim: int = 1) -> torch.Te
                               "quantize first; codes must be unsigned")
     rows, cols = v.shape
     n_words = math.ceil(cols * bits / 32)
+    per_word = 32 // bits
+    if 32 % bits == 0 and cols % per_word == 0:   # 1/2/4/8 bits, whole words: shift and add
+        shifts = np.arange(per_word, dtype=np.int64) * bits
+        words = (v.reshape(rows, n_words, per_word) << shifts).sum(axis=2)
+        out = torch.from_numpy(words.astype(np.uint32).view(np.int32).copy())
+        return out.T.contiguous() if packed_dim == 0 else out
     # bits of every element, least significant first: [rows, cols, bits]
     bitarr = ((v[:, :, None] >> np.arange(bits)) & 1).astype(np.uint8).reshape(rows, cols * bits)
     pad = n_words * 32 - cols * bits
@@ -67,6 +73,37 @@ def unpack_int32(packed: torch.Tensor, bits: int, shape: Iterable[int], packed_d
     return out.T.contiguous() if packed_dim == 0 else out
 
 
+def pad_rows(packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """``packed`` (``[n, cols]``, ``n <= rows``) followed by zero rows up to ``[rows, cols]``:
+    row-packed zero points in the unpacked shape plain transformers allocates for them
+    (unpacking reads only the leading rows; :func:`unpad_rows` drops them).
+
+    Raises:
+        CheckpointError: ``packed`` has more than ``rows`` rows.
+    """
+    if packed.shape[0] > rows:
+        raise CheckpointError(f"cannot pad {packed.shape[0]} packed rows to {rows}", "pass rows >= the packed rows")
+    out = torch.zeros((rows, packed.shape[1]), dtype=packed.dtype)
+    out[:packed.shape[0]] = packed
+    return out
+
+
+def unpad_rows(packed: torch.Tensor, rows: int, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pad_rows` for zero points of ``rows`` outputs packed in ``bits``:
+    the leading ``ceil(rows*bits/32)`` rows of a ``[rows, cols]`` tensor; any other shape
+    is returned as it is (unpadded, or for :func:`unpack_int32` to refuse).
+
+    Raises:
+        ValueError: the padding rows are not all zero (a damaged tensor).
+    """
+    n_words = math.ceil(rows * bits / 32)
+    if packed.dim() != 2 or packed.shape[0] != rows or rows == n_words:
+        return packed
+    if bool(packed[n_words:].any()):
+        raise ValueError(f"the zero-point padding rows {n_words}..{rows - 1} are not zero")
+    return packed[:n_words]
+
+
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """``bool [out, in]`` mask -> ``uint8 [ceil(out*in/8)]``, little-endian bit order."""
     return torch.from_numpy(np.packbits(mask.cpu().numpy().astype(bool).reshape(-1), bitorder="little"))
@@ -79,4 +116,4 @@ def unpack_mask(packed: torch.Tensor, shape) -> torch.Tensor:
     return torch.from_numpy(bits.astype(bool).reshape(tuple(shape)))
 
 
-__all__ = ["pack_int32", "unpack_int32", "pack_mask", "unpack_mask"]
+__all__ = ["pack_int32", "unpack_int32", "pad_rows", "unpad_rows", "pack_mask", "unpack_mask"]

@@ -16,14 +16,21 @@ from ..quantize import QuantizedWeight
 from .folder import claim_out_dir, source_paths
 from .format import (CHECKPOINT_JSON, FORMATS, MASKS_FILE, QPARAMS_FILE, WEIGHTS_FILE,
                      embedding_names, is_tied)
-from .pack import pack_int32, pack_mask
+from .embeddings import storage_dtype
+from .pack import pack_int32, pack_mask, pad_rows
 from .record import checkpoint_record, config_section, run_id, sparsity_config
 
 #: Config keys that point transformers at the source folder's own Python code
 #: (``trust_remote_code``): the checkpoint holds no such code, so they are not copied.
 REMOTE_CODE_KEYS = ("auto_map", "custom_pipelines")
-#: compressed-tensors layouts of asymmetric layers (``save_checkpoint(asym_layout=...)``).
-ASYM_LAYOUTS = ("pack-quantized", "naive-quantized")
+#: compressed-tensors layouts of asymmetric layers (``save_checkpoint(asym_layout=...)``):
+#: ``pack-quantized``: codes packed 8 per int32, zero points packed along the output
+#: dimension and zero-padded to ``[out, n_groups]`` rows (the shape transformers 5.24 +
+#: compressed-tensors 0.20 allocate, llm-compressor#1618; their unpacking reads only the
+#: leading packed rows); ``pack-quantized-compact``: the same without the padding, the
+#: layout llm-compressor writes (plain transformers 5.24 cannot load it);
+#: ``naive-quantized``: one int8 per code.
+ASYM_LAYOUTS = ("pack-quantized", "pack-quantized-compact", "naive-quantized")
 
 
 def _group_key(qw: QuantizedWeight, asym_layout: str = "pack-quantized") -> tuple:
@@ -32,7 +39,7 @@ def _group_key(qw: QuantizedWeight, asym_layout: str = "pack-quantized") -> tupl
     mid = 2 ** (qw.bits - 1)
     sym = bool(qw.sym) and bool((qw.zeros == mid).all())
     per_row = qw.n_groups == 1 and qw.group_size >= qw.shape[1]
-    layout = "pack-quantized" if sym else asym_layout
+    layout = "naive-quantized" if not sym and asym_layout == "naive-quantized" else "pack-quantized"
     return (qw.bits, -1 if per_row else qw.group_size, sym, not qw.has_default_order(), layout)
 
 
@@ -65,7 +72,7 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: d
 def _check_options(format: str, asym_layout: str) -> None:
     if asym_layout not in ASYM_LAYOUTS:
         raise CheckpointError(f"unknown asym_layout {asym_layout!r}",
-                              "use 'pack-quantized' (compact) or 'naive-quantized' (int8 codes)")
+                              f"use one of {', '.join(ASYM_LAYOUTS)}")
     if format not in FORMATS:
         raise CheckpointError(f"unknown checkpoint format {format!r}",
                               f"use one of {', '.join(FORMATS)}")
@@ -91,9 +98,11 @@ def _tied_policy(model, quantized: dict) -> str:
     return "tied" if tied_src else "untied"
 
 
-def _dense_tensors(model, sd: dict, tied_policy: str) -> dict[str, torch.Tensor]:
+def _dense_tensors(model, sd: dict, tied_policy: str, half_embeddings: bool) -> dict[str, torch.Tensor]:
     """The state dict on the CPU; a tied head is dropped from ``sd`` (stored once, as the
-    embedding: transformers' own convention); an untied embedding is copied."""
+    embedding: transformers' own convention); an untied embedding is copied. With
+    ``half_embeddings`` the embedding and an unquantized head are stored in 16 bits where
+    that keeps every value (:func:`~edgeprune.checkpoint.embeddings.storage_dtype`)."""
     emb_name, head_name = embedding_names(model)
     if tied_policy == "tied" and head_name in sd:
         sd.pop(head_name)
@@ -101,6 +110,9 @@ def _dense_tensors(model, sd: dict, tied_policy: str) -> dict[str, torch.Tensor]
     for k, v in sd.items():
         tensors[k] = v.detach().to("cpu").clone() if (tied_policy == "untied-quantized-head"
                                                       and k == emb_name) else v.detach().cpu()
+        exact = storage_dtype(tensors[k]) if half_embeddings and k in (emb_name, head_name) else None
+        if exact is not None:
+            tensors[k] = tensors[k].to(exact)
     return tensors
 
 
@@ -117,6 +129,8 @@ def _checked_dequantized(name: str, qw: QuantizedWeight, sd: dict) -> torch.Tens
         raise CheckpointError(f"{name}: weight shape {tuple(w.shape)} != codes shape {qw.shape}",
                               "save the model that produced this CompressionResult")
     w_hat = qw.dequantize().to(stored).float()
+    if torch.equal(w, w_hat):          # the usual case, without allclose's cost
+        return w_hat
     tol = 1e-5 * float(w_hat.abs().max()) + 1e-7
     if not torch.allclose(w, w_hat, rtol=1e-5, atol=tol):
         raise CheckpointError(
@@ -128,11 +142,12 @@ def _checked_dequantized(name: str, qw: QuantizedWeight, sd: dict) -> torch.Tens
 
 
 def _layer_tensors(name: str, qw: QuantizedWeight, key: tuple, format: str, w_hat: torch.Tensor,
-                   dtype: torch.dtype, tensors: dict, qparams: dict) -> None:
+                   dtype: torch.dtype, tensors: dict, qparams: dict, pad_zero_points: bool = True) -> None:
     """Store one quantized layer: compressed-tensors ``naive-quantized`` (signed int8
-    codes as ``weight``) or ``pack-quantized`` (``weight_packed`` + ``weight_shape``) in
-    ``tensors``; ``dense``: the dequantized weight in ``tensors``, scales / zero points
-    in ``qparams``. ``weight_g_idx`` for act_order with dynamic groups."""
+    codes as ``weight``) or ``pack-quantized`` (``weight_packed`` + ``weight_shape``, zero
+    points packed along the output dimension, zero-padded to ``[out, n_groups]`` with
+    ``pad_zero_points``) in ``tensors``; ``dense``: the dequantized weight in ``tensors``,
+    scales / zero points in ``qparams``. ``weight_g_idx`` for act_order with dynamic groups."""
     w, mid = f"{name}.weight", 2 ** (qw.bits - 1)
     naive = key[4] == "naive-quantized"
     side = qparams if format == "dense" else tensors
@@ -151,7 +166,8 @@ def _layer_tensors(name: str, qw: QuantizedWeight, key: tuple, format: str, w_ha
     else:
         tensors[f"{name}.weight_shape"] = torch.tensor(list(qw.shape), dtype=torch.int64)
         if not key[2]:
-            tensors[f"{name}.weight_zero_point"] = pack_int32(qw.zeros, qw.bits, 0)
+            zp = pack_int32(qw.zeros, qw.bits, 0)
+            tensors[f"{name}.weight_zero_point"] = pad_rows(zp, qw.shape[0]) if pad_zero_points else zp
     if key[3]:
         side[f"{name}.weight_g_idx"] = qw.g_idx.to(torch.int32).contiguous()
 
@@ -170,7 +186,8 @@ def _store_quantized(tensors: dict, sd: dict, quantized: dict[str, QuantizedWeig
         layer_records[name] = {"bits": qw.bits, "group_size": qw.group_size, "sym": key[2],
                                "act_order": key[3], "bits_per_weight": round(qw.bits_per_weight(), 5),
                                "shape": list(qw.shape)}
-        _layer_tensors(name, qw, key, format, w_hat, sd[f"{name}.weight"].dtype, tensors, qparams)
+        _layer_tensors(name, qw, key, format, w_hat, sd[f"{name}.weight"].dtype, tensors, qparams,
+                       pad_zero_points=asym_layout != "pack-quantized-compact")
     return qparams, layer_records, groups
 
 
@@ -217,11 +234,15 @@ def _quantization_config(groups: dict[tuple, list[str]], sparsity: dict) -> dict
 def _hf_config(model, format: str, tied_policy: str, quantized: dict, groups: dict,
                sparsity: dict, record: dict) -> dict:
     """``config.json``: the model's config, untied when the head is quantized, with the
-    ``quantization_config`` and the ``edgeprune`` section, without the source's pointers
-    to remote code (:data:`REMOTE_CODE_KEYS`)."""
+    ``quantization_config`` and the ``edgeprune`` section, the model's ``dtype`` when the
+    config has none, without the source's pointers to remote code (:data:`REMOTE_CODE_KEYS`)."""
     cfg = model.config.to_dict()
     for k in ("quantization_config", "edgeprune") + REMOTE_CODE_KEYS:
         cfg.pop(k, None)
+    if cfg.get("dtype") is None and cfg.get("torch_dtype") is None:
+        # without it transformers takes the first float tensor's dtype: a 16-bit embedding
+        # would load the whole model in 16 bits
+        cfg["dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
     if tied_policy == "untied-quantized-head":
         cfg["tie_word_embeddings"] = False
         if isinstance(cfg.get("text_config"), dict):
@@ -266,7 +287,7 @@ def _drop_remote_code(path: Path) -> None:
 
 def save_checkpoint(model, tokenizer, result=None, out_dir: str | os.PathLike = "checkpoint", *,
                     format: str = "compressed-tensors", provenance: Optional[dict] = None,
-                    overwrite: bool = False, asym_layout: str = "naive-quantized") -> Path:
+                    overwrite: bool = False, asym_layout: str = "pack-quantized") -> Path:
     """Save a (compressed) causal LM as a folder transformers can load.
 
     The folder is claimed first (:func:`~edgeprune.checkpoint.claim_out_dir`: a second
@@ -286,12 +307,21 @@ def save_checkpoint(model, tokenizer, result=None, out_dir: str | os.PathLike = 
         provenance: recorded as is; recognised keys: ``method``, ``source``,
             ``calibration`` (``{"source", "nsamples", "seqlen", "seed"}``), ``seed``.
         overwrite: replace a non-empty ``out_dir`` that holds a different run.
-        asym_layout: compressed-tensors format of *asymmetric* layers:
-            ``"naive-quantized"`` (default; one int8 per code, the layout plain
-            transformers 5.x loads) or ``"pack-quantized"`` (codes packed 8 per int32:
-            half the bytes of 4-bit layers, but transformers 5.24 + compressed-tensors
-            0.20 fail to load its zero points, llm-compressor#1618). Symmetric layers are
-            always packed; edgeprune's own loader reads both.
+        asym_layout: compressed-tensors layout of *asymmetric* layers
+            (:data:`ASYM_LAYOUTS`): ``"pack-quantized"`` (default; codes packed 8 per
+            int32, zero points packed and zero-padded to the ``[out, n_groups]`` shape
+            plain transformers 5.24 + compressed-tensors 0.20 allocate, so it loads there:
+            the work-around of llm-compressor#1618), ``"pack-quantized-compact"`` (zero
+            points without the padding, as llm-compressor writes them; transformers 5.24
+            cannot load it) or ``"naive-quantized"`` (one int8 per code, twice the bytes
+            of 4-bit layers). Symmetric layers are always packed; edgeprune's own loader
+            reads all three.
+
+    In the ``compressed-tensors`` format the embedding (and an unquantized head) is
+    stored in 16 bits when that keeps every value
+    (:func:`~edgeprune.checkpoint.embeddings.storage_dtype`; round it first with
+    :func:`~edgeprune.checkpoint.round_embeddings` for a small checkpoint of a float32
+    model); nothing saved ever differs from the model's weights.
 
     Returns:
         The output folder path.
@@ -316,7 +346,7 @@ def save_checkpoint(model, tokenizer, result=None, out_dir: str | os.PathLike = 
         _check_linear(model, list(quantized) + list(masks))
         tied_policy = _tied_policy(model, quantized)
         sd = model.state_dict()
-        tensors = _dense_tensors(model, sd, tied_policy)
+        tensors = _dense_tensors(model, sd, tied_policy, half_embeddings=format == "compressed-tensors")
         qparams, layer_records, groups = _store_quantized(tensors, sd, quantized, format, asym_layout)
         mask_tensors, sparse_records = _store_masks(masks, patterns, quantized, sd)
         sparsity = sparsity_config(sparse_records)

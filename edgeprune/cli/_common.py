@@ -124,6 +124,58 @@ def _parse_levels(items) -> dict:
     return out
 
 
+def describe_recipe(recipe: dict) -> str:
+    """A recipe's ``to_dict()`` as one readable line: ``rtn (bits 4, group_size 64,
+    asym, ignore lm_head)``, stages joined by `` -> `` (not a raw Python dict)."""
+    parts = []
+    for st in recipe.get("stages") or []:
+        opts = []
+        for k, v in st.items():
+            if k in ("method", "targets", "ignore") or v is None or v is False and k != "sym":
+                continue
+            opts.append(("sym" if v else "asym") if k == "sym" else k if v is True else f"{k} {v}")
+        for k in ("targets", "ignore"):
+            if st.get(k):
+                opts.append(f"{k} {', '.join(map(str, st[k]))}")
+        parts.append(f"{st.get('method')} ({', '.join(opts)})" if opts else str(st.get("method")))
+    return " -> ".join(parts) or str(recipe.get("name", "recipe"))
+
+
+def apply_threads(threads: Optional[int]) -> None:
+    """Use ``threads`` CPU threads for torch's intra-op work in this process: set at once
+    when torch is imported, else through ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``, which
+    torch reads when it is first imported. ``None`` leaves everything as it is.
+    onnxruntime sessions get the same number through ``runtime.load(threads=...)``, which
+    each verb passes."""
+    if threads is None:
+        return
+    import os
+    import sys
+
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+    else:
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(int(threads))
+
+
+def threads_option(default: Optional[int] = None, help: str = "CPU threads for torch and onnxruntime "
+                   "(default: all cores)."):
+    """The ``--threads N`` option every verb that computes shares: an integer >= 1 (or
+    ``default``), applied to torch when parsed (:func:`apply_threads`) and passed to the
+    command as ``threads`` for its onnxruntime sessions (``runtime.load(threads=...)``).
+    ``--threads 0`` is refused with one :class:`ConfigError` before any work."""
+    return click.option("--threads", type=int, default=default,
+                        show_default=default is not None, help=help,
+                        callback=_threads_callback)
+
+
+def _threads_callback(ctx, param, value):
+    if value is not None and value < 1:
+        raise ConfigError(f"--threads {value} must be >= 1", "pass e.g. --threads 2, or omit it for all cores")
+    apply_threads(value)
+    return value
+
+
 def method_options(f):
     """Options shared by ``run`` and ``compress``."""
     opts = [

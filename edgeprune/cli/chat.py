@@ -14,6 +14,7 @@ from typing import Iterator, Optional
 import click
 
 from ._app import cli
+from ._common import threads_option
 
 HELP = "commands: /reset (new conversation), /system TEXT (new system prompt), /quit"
 #: an answer gets at least this many tokens of room before older turns are dropped
@@ -157,7 +158,7 @@ def chat_loop(session, conv: Conversation, sampling: dict, lines) -> int:
 @click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
               help="Divide the logits of tokens already seen by this (1: off).")
 @click.option("--seed", type=int, default=None, help="Seed of the sampler.")
-@click.option("--threads", type=int, default=None, help="onnxruntime threads.")
+@threads_option()
 @click.option("--max-length", type=int, default=None,
               help="Context length in tokens (default and upper bound: the export's).")
 @click.option("--prefix-reuse/--no-prefix-reuse", default=True, show_default=True,

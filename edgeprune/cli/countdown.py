@@ -7,7 +7,7 @@ import click
 from runtime.errors import ConfigError
 
 from ._app import cli
-from ._common import _check_output, _console
+from ._common import _check_output, _console, threads_option
 
 
 @cli.command("countdown")
@@ -24,10 +24,11 @@ from ._common import _check_output, _console
 @click.option("--calib", default=None, help="Calibration text (default: embedded text).")
 @click.option("--nsamples", type=int, default=16, show_default=True)
 @click.option("--seqlen", type=int, default=512, show_default=True)
+@threads_option(help="CPU threads for torch (default: all cores).")
 @click.option("--out", "out_path", required=True,
               help="Spec file to write: .safetensors (predictors / channel scales; JSON only "
                    "at --act-sparsity 0).")
-def countdown_cmd(model, act_sparsity, mode, graph_mode, calib, nsamples, seqlen, out_path):
+def countdown_cmd(model, act_sparsity, mode, graph_mode, calib, nsamples, seqlen, threads, out_path):
     """Calibrate COUNTDOWN (Cheon et al., EMNLP 2025) on MODEL (checkpoint, HF folder, .gguf
     or alias) and save the spec; `edgeprune export CKPT OUT --variant FILE` builds the graph."""
     from .. import countdown as cd

@@ -8,7 +8,7 @@ import click
 from runtime.errors import ConfigError
 
 from ._app import cli
-from ._common import _check_output, _console, _table, _write_json
+from ._common import _check_output, _console, _table, _write_json, threads_option
 
 
 @cli.command("eval")
@@ -33,7 +33,7 @@ from ._common import _check_output, _console, _table, _write_json
 @click.option("--langs", default=None,
               help="Parallel text: a folder of one .txt per language (e.g. NTREX-128) or comma-separated files.")
 @click.option("--lang-lines", type=int, default=200, show_default=True, help="First lines of each language file.")
-@click.option("--threads", type=int, default=None, help="CPU threads (torch and onnxruntime; default: all).")
+@threads_option()
 @click.option("--json", "json_path", default=None, help="Write the figures here.")
 def eval_cmd(model, text, seqlen, nwindows, dense_ref, continuations, tasks, limit, task_data, num_fewshot,
              langs, lang_lines, threads, json_path):
@@ -44,8 +44,6 @@ def eval_cmd(model, text, seqlen, nwindows, dense_ref, continuations, tasks, lim
     perplexity on the default text is skipped (give --text or --dense to add it).
     """
     _check_output(json_path, "--json", [model] + ([dense_ref] if dense_ref else []))
-    if threads is not None and threads < 1:
-        raise ConfigError(f"--threads {threads} must be >= 1", "pass e.g. --threads 2, or omit it for all")
     if continuations and not dense_ref:
         raise ConfigError("--continuations compares against a dense model", "add --dense MODEL")
     # every input checked before a model loads

@@ -9,7 +9,7 @@ import click
 from runtime.errors import ConfigError
 
 from ._app import cli
-from ._common import _check_output, _console, _parse_levels, _write_json
+from ._common import _check_output, _console, _parse_levels, _write_json, threads_option
 
 #: export's former flags for the variants' compress work (now `edgeprune leank` /
 #: `edgeprune countdown`): hidden, and refused with one error naming those commands
@@ -96,11 +96,13 @@ def _variants(items, compact_24: bool) -> list:
 @click.option("--max-length", type=int, default=None)
 @click.option("--no-validate", is_flag=True,
               help="Skip the logits check against the PyTorch model (a failed check writes nothing).")
+@threads_option(help="CPU threads for torch (default: all cores); the validation's onnxruntime session "
+                      "keeps onnxruntime's default.")
 @click.option("--overwrite", is_flag=True)
 @click.option("--json", "json_path", default=None)
 @_moved_options
 def export_cmd(checkpoint, out, precision, variants, sparse_24, compact_24, graph, lm_head,
-               accuracy_level, accuracy_levels, group_size, max_length, no_validate, overwrite,
+               accuracy_level, accuracy_levels, group_size, max_length, no_validate, threads, overwrite,
                json_path, **moved):
     """Export CHECKPOINT (checkpoint, HF folder, .gguf or alias) to an ONNX folder OUT.
 

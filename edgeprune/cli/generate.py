@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from ._app import cli
+from ._common import threads_option
 
 @cli.command("generate")
 @click.argument("folder")
@@ -16,7 +17,7 @@ from ._app import cli
 @click.option("--repetition-penalty", type=float, default=1.0)
 @click.option("--seed", type=int, default=None)
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Render with the chat template.")
-@click.option("--threads", type=int, default=None)
+@threads_option()
 @click.option("--max-length", type=int, default=None,
               help="Context length in tokens (default and upper bound: the export's).")
 @click.option("--context-policy", type=click.Choice(["error", "sliding_window"]), default="error",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ._app import cli
-from ._common import _check_output, _console
+from ._common import _check_output, _console, threads_option
 
 @cli.command("leank")
 @click.argument("model")
@@ -23,8 +23,9 @@ from ._common import _check_output, _console
               help="Every head keeps a multiple of this many channels (default 8).")
 @click.option("--min-per-head", type=int, default=None,
               help="Channels every head keeps at least (default: one alignment block; 0 allows dead heads).")
+@threads_option(help="CPU threads for torch (default: all cores).")
 @click.option("--out", "out_path", required=True, help="Mask JSON to write.")
-def leank_cmd(model, k_keep, method, calib, nsamples, seqlen, sink, window, alignment, min_per_head,
+def leank_cmd(model, k_keep, method, calib, nsamples, seqlen, sink, window, alignment, min_per_head, threads,
               out_path):
     """Learn a LeanK key-channel mask for MODEL (checkpoint, HF folder, .gguf or alias; LeanK,
     EMNLP 2025) and save it as JSON; `edgeprune export CKPT OUT --variant FILE` builds the

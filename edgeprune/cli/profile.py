@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import click
 
+from runtime.errors import ConfigError
+
 from ._app import cli
-from ._common import _check_output, _console, _table, _write_json
+from ._common import _check_output, _console, _table, _write_json, threads_option
 
 @cli.command("profile")
 @click.argument("folder")
@@ -16,12 +19,17 @@ from ._common import _check_output, _console, _table, _write_json
 @click.option("--prompt-len", type=int, default=128, show_default=True)
 @click.option("--gen-len", type=int, default=128, show_default=True)
 @click.option("--repeat", type=int, default=5, show_default=True)
-@click.option("--sweep", is_flag=True, help="Also sweep context lengths and draw a PNG.")
-@click.option("--target", "targets", multiple=True, help="Profiles to project to (repeatable).")
+@click.option("--sweep", is_flag=False, flag_value="default", default=None, metavar="[CONTEXTS]",
+              help="Also sweep context lengths and draw a PNG: --sweep alone = 128,256,512,1024,2048 (those "
+                   "that fit the export), or a comma-separated list, e.g. --sweep 128,512,2048.")
+@click.option("--target", "targets", multiple=True,
+              help="Profiles to project to (repeatable); projections are shown only for these (or for a "
+                   "--device that is not this host), in a table of their own.")
 @click.option("--out", "out_dir", default=None,
-              help="Folder for the plot and profile.md (default: the plot goes to ./runs/profile-NAME/).")
-@click.option("--threads", type=int, default=None, help="Threads to run with instead of the profile's.")
-@click.option("--json", "json_path", default=None)
+              help="Folder for profile.md and the sweep plot (default: nothing written but the plot, into a "
+                   "temporary folder the output names).")
+@threads_option(help="Threads to run with instead of the profile's.")
+@click.option("--json", "json_path", default=None, help="Write the report as JSON here.")
 def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets, out_dir, threads, json_path):
     """Measure latency and memory of an exported FOLDER under a device profile."""
     from runtime.files import atomic_write
@@ -31,8 +39,8 @@ def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets
     _check_output(out_dir, "--out", [folder], folder=True)
     _check_output(json_path, "--json", [folder])
     rep = profile(folder, device_name, prompt_len=prompt_len, gen_len=gen_len, repeat=repeat,
-                  sweep=True if sweep else None, targets=list(targets) or None, out_dir=out_dir,
-                  threads=threads)
+                  sweep=_parse_sweep(sweep), targets=list(targets) or None, out_dir=out_dir,
+                  threads=threads, progress=True)
     md = rep.to_markdown()
     click.echo(md)          # Markdown as is: no terminal-width wrapping, no rich markup
     if out_dir:
@@ -40,6 +48,27 @@ def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets
         atomic_write(Path(out_dir) / "profile.md", md)
     if json_path:
         rep.to_json(json_path)
+
+
+def _parse_sweep(value: Optional[str]):
+    """``--sweep`` -> ``profile(sweep=...)``: ``None`` (absent), ``True`` (alone) or the
+    list of context lengths.
+
+    Raises:
+        ConfigError: not a comma-separated list of positive integers.
+    """
+    if value is None:
+        return None
+    if value == "default":
+        return True
+    try:
+        contexts = [int(c) for c in value.split(",") if c.strip()]
+    except ValueError:
+        contexts = []
+    if not contexts or min(contexts) < 1:
+        raise ConfigError(f"--sweep {value!r} is not a list of context lengths",
+                          "pass e.g. --sweep 128,512,2048, or --sweep alone for the default contexts")
+    return contexts
 
 
 @cli.command("devices")

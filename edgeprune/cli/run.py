@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 
 from ._app import cli
-from ._common import _check_output, _console, _parse_pattern, _table, _write_json, method_options
+from ._common import (_check_output, _console, _parse_pattern, _table, _write_json, method_options,
+                      threads_option)
 
 @cli.command("run")
 @click.option("--model", default="smollm2-135m", show_default=True,
@@ -17,7 +18,7 @@ from ._common import _check_output, _console, _parse_pattern, _table, _write_jso
 @click.option("--eval-seqlen", type=int, default=512, show_default=True,
               help="Tokens per evaluation window (capped at the model's context).")
 @click.option("--eval-nwindows", type=int, default=40, show_default=True, help="0 = the whole text.")
-@click.option("--threads", type=int, default=2, show_default=True)
+@threads_option(default=2, help="CPU threads for torch and onnxruntime.")
 @click.option("--prompt-len", type=int, default=128, show_default=True)
 @click.option("--gen-len", type=int, default=128, show_default=True)
 @click.option("--repeat", type=int, default=3, show_default=True)

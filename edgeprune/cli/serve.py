@@ -8,6 +8,7 @@ from __future__ import annotations
 import click
 
 from ._app import cli
+from ._common import threads_option
 
 
 @cli.command("serve")
@@ -26,7 +27,7 @@ from ._app import cli
                    "rest of the context).")
 @click.option("--model-name", default=None,
               help="The model name clients see in /v1/models (default: the folder's name).")
-@click.option("--threads", type=int, default=None, help="onnxruntime threads (shared by the slots).")
+@threads_option(help="CPU threads for torch and onnxruntime (onnxruntime's shared by the slots; default: all cores).")
 @click.option("--max-length", type=int, default=None,
               help="Context length in tokens (default and upper bound: the export's).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),

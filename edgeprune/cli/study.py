@@ -7,7 +7,7 @@ import click
 from runtime.errors import ConfigError
 
 from ._app import cli
-from ._common import _check_output, _console
+from ._common import _check_output, _console, threads_option
 
 
 def _split(text) -> list[str]:
@@ -41,7 +41,7 @@ def _split(text) -> list[str]:
 @click.option("--langs", default=None, help="Parallel text: folder of one .txt per language, or files.")
 @click.option("--lang-lines", type=int, default=200, show_default=True, help="First lines of each language file.")
 @click.option("--device", default="cpu", show_default=True)
-@click.option("--threads", type=int, default=None, help="Torch threads per cell (Ray: the CPUs each cell declares).")
+@threads_option(help="Torch threads per cell (Ray: the CPUs each cell declares; default: all cores).")
 @click.option("--ray", "ray_address", default=None, help="Run cells as Ray tasks: 'local' or a cluster ADDRESS.")
 @click.option("--cache", default=None, help="Cache folder (default: OUT/cache).")
 @click.option("--out", "out_dir", required=True, help="Folder for results.csv/.md/.json and plots/.")
@@ -68,8 +68,6 @@ def study_cmd(models, methods, bits, sparsity, pattern, cells, group_size, calib
         task_names = check_tasks(tasks, task_data)
     elif limit is not None or task_data is not None:
         raise ConfigError("--limit / --task-data apply to tasks", "add --tasks")
-    if threads is not None and threads < 1:
-        raise ConfigError(f"--threads {threads} must be >= 1", "pass e.g. --threads 2")
     cfg = StudyConfig(models=_split(models), cells=grid, group_size=group_size, calib=calib, nsamples=nsamples,
                       seqlen=seqlen, seed=seed, text=text, eval_seqlen=eval_seqlen, nwindows=nwindows or None,
                       continuations=continuations, tasks=task_names, limit=limit, task_data=task_data, langs=langs,

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from edgeprune.checkpoint import pack as ckpt_pack
 from edgeprune.checkpoint import save as ckpt_save
 from edgeprune.checkpoint import (load_checkpoint, pack_int32, save_checkpoint, unpack_int32,
                                   is_edgeprune_checkpoint)
@@ -77,6 +78,18 @@ def test_pack_roundtrip_and_matches_compressed_tensors(bits, packed_dim):
     assert torch.equal(packed, helpers.pack_to_int32(signed, bits, packed_dim=packed_dim))
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("packed_dim", [0, 1])
+def test_whole_word_pack_matches_compressed_tensors(bits, packed_dim):
+    """Whole int32 words (the shift-and-add path): the same words as compressed-tensors."""
+    vals = torch.randint(0, 2 ** bits, (32, 64), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    packed = pack_int32(vals, bits, packed_dim)
+    assert torch.equal(unpack_int32(packed, bits, vals.shape, packed_dim), vals)
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    signed = (vals.to(torch.int16) - 2 ** (bits - 1)).to(torch.int8)
+    assert torch.equal(packed, helpers.pack_to_int32(signed, bits, packed_dim=packed_dim))
+
+
 def test_pack_layout_known_value():
     # 4-bit codes 1..8 in one row -> one word 0x87654321, little-endian nibbles
     vals = torch.arange(1, 9, dtype=torch.uint8)[None]
@@ -92,7 +105,7 @@ def test_compressed_tensors_roundtrip_identical_logits_and_codes(tiny_llama, tmp
                     sym_of=lambda n: "k_proj" in n)
     ref = _logits(tiny_llama, IDS)
     out = save_checkpoint(tiny_llama, None, res, tmp_path / "ck", provenance=PROV,
-                          asym_layout="pack-quantized")
+                          asym_layout="pack-quantized-compact")
     cfg = json.loads((out / "config.json").read_text())
     qc = cfg["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
@@ -183,14 +196,53 @@ def test_asymmetric_naive_layout_loads_in_plain_transformers(tiny_llama, tmp_pat
 
 @pytest.mark.xfail(strict=True, reason="upstream: transformers 5.24 + compressed-tensors 0.20 allocate "
                    "an unpacked weight_zero_point for pack-quantized asymmetric layers (size mismatch; "
-                   "llm-compressor#1618). Use asym_layout='naive-quantized' for plain transformers.")
-def test_asymmetric_packed_loads_in_plain_transformers(tiny_llama, tmp_path):
+                   "llm-compressor#1618). The default 'pack-quantized' layout pads the zero points to "
+                   "that shape (test_asymmetric_packed_loads_in_plain_transformers).")
+def test_asymmetric_compact_packed_loads_in_plain_transformers(tiny_llama, tmp_path):
     pytest.importorskip("compressed_tensors")
     res = _quantize(tiny_llama)
     ref = _logits(tiny_llama, IDS)
     out = save_checkpoint(tiny_llama, None, res, tmp_path / "a", provenance=PROV,
-                          asym_layout="pack-quantized")
+                          asym_layout="pack-quantized-compact")
     assert torch.equal(_logits(_hf_load(out), IDS), ref)
+
+
+def test_asymmetric_packed_loads_in_plain_transformers(tiny_llama, tmp_path):
+    """The work-around of llm-compressor#1618: packed codes, and packed zero points
+    zero-padded to the [out, n_groups] shape transformers allocates; transformers, and
+    our loader, give the compressed model's logits exactly."""
+    pytest.importorskip("compressed_tensors")
+    res = _quantize(tiny_llama, bits_of=lambda n: 8 if "v_proj" in n else 4, sym_of=lambda n: "k_proj" in n)
+    ref = _logits(tiny_llama, IDS)
+    out = save_checkpoint(tiny_llama, None, res, tmp_path / "a", provenance=PROV,
+                          asym_layout="pack-quantized")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "pack-quantized"
+    from safetensors.torch import load_file
+    st = load_file(str(out / "model.safetensors"))
+    q, v = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"
+    assert st[f"{q}.weight_packed"].shape == (64, 64 * 4 // 32)
+    zp = st[f"{q}.weight_zero_point"]
+    assert zp.dtype == torch.int32 and zp.shape == (64, 2) and not zp[64 * 4 // 32:].any()
+    assert st[f"{v}.weight_zero_point"].shape == (32, 2) and not st[f"{v}.weight_zero_point"][32 * 8 // 32:].any()
+    assert torch.equal(_logits(_hf_load(out), IDS), ref)
+    model, _, info = load_checkpoint(out)
+    assert torch.equal(_logits(model, IDS), ref)
+    assert all(torch.equal(info.quantized[n].zeros, qw.zeros) for n, qw in res.quantized.items())
+
+
+def test_padded_zero_points_must_be_zero_padding():
+    zeros = torch.randint(0, 16, (64, 2), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    packed = pack_int32(zeros, 4, 0)
+    padded = ckpt_pack.pad_rows(packed, 64)
+    assert padded.shape == (64, 2) and torch.equal(ckpt_pack.unpad_rows(padded, 64, 4), packed)
+    assert torch.equal(unpack_int32(ckpt_pack.unpad_rows(padded, 64, 4), 4, (64, 2), 0), zeros)
+    assert ckpt_pack.unpad_rows(packed, 64, 4) is packed                  # compact: as it is
+    with pytest.raises(CheckpointError, match="expected"):               # padding is not codes
+        unpack_int32(padded, 4, (64, 2), 0)
+    padded[40, 1] = 7
+    with pytest.raises(ValueError, match="padding rows 8..63 are not zero"):
+        ckpt_pack.unpad_rows(padded, 64, 4)
 
 
 def test_default_checkpoint_of_an_asymmetric_recipe_loads_in_plain_transformers(tiny_llama, tmp_path):

@@ -24,8 +24,9 @@ def ck_dir(model_dir, tmp_path_factory) -> Path:
     from edgeprune.cli import main
 
     out = tmp_path_factory.mktemp("faults") / "ck"
+    # the naive layout: its int8 `weight` codes are what "wrong-shape-codes" damages
     assert main(["compress", str(model_dir), "--method", "rtn", "--bits", "4", "--group-size", "32",
-                 *CAL, "--out", str(out)]) == 0
+                 *CAL, "--asym-layout", "naive-quantized", "--out", str(out)]) == 0
     return out
 
 

@@ -64,9 +64,12 @@ def test_profile_measures_and_projects(tiny_folder, tmp_path):
     assert data["measured"]["kv_bytes"]["k"] == 9984
 
 
-def test_host_profile_projects_to_every_target(tiny_folder):
+def test_host_profile_projects_to_every_target_asked(tiny_folder):
     r = profile(tiny_folder, "cpu-host", prompt_len=8, gen_len=8, repeat=1, isolate=False)
+    assert r.projected == {} and "projected" not in r.to_markdown().lower()   # only when asked
     names = {p.name for p in devices.list_profiles() if not p.is_host}
+    r = profile(tiny_folder, "cpu-host", prompt_len=8, gen_len=8, repeat=1, isolate=False,
+                targets=sorted(names))
     assert set(r.projected) == names
     assert r.host["bandwidth_gbs"] > 0
     # a GPU target: floored at graph nodes x kernel launch time (a tiny model's decode is
@@ -138,3 +141,82 @@ def test_threads_override(tiny_folder):
     assert "1 run, batch 1" in r.to_markdown()
     with pytest.raises(GenerationError, match="threads"):
         profile(tiny_folder, "raspberry-pi-5", threads=0)
+
+
+def test_projections_are_a_table_of_their_own(tiny_folder):
+    r = profile(tiny_folder, "raspberry-pi-5", prompt_len=8, gen_len=4, repeat=1)
+    md = r.to_markdown()
+    measured, _, projected = md.partition("#### Projected, not measured")
+    assert projected and "| projected: raspberry-pi-5 |" in projected
+    assert "projected" not in measured.split("\n\n", 2)[2].lower()       # the measured table
+    assert "| bound (roofline) |" in projected and "| bound (roofline) |" not in measured
+
+
+def test_default_sweep_is_bounded_and_plots_to_a_named_temporary_folder(tiny_folder, tmp_path, monkeypatch):
+    from devices.profiler.run import PLOT_DIR_PREFIX
+
+    monkeypatch.chdir(tmp_path)
+    r = profile(tiny_folder, "cpu-host", prompt_len=8, gen_len=4, repeat=1, sweep=True)
+    # the export's 512 tokens hold 128 and 256 (+16 decode tokens); no sweep to max_length
+    assert [s["context"] for s in r.sweep] == [128, 256]
+    assert not list(tmp_path.iterdir())                    # nothing in the current folder
+    plot = __import__("pathlib").Path(r.plot_path)
+    try:
+        assert plot.parent.name.startswith(PLOT_DIR_PREFIX) and plot.is_file()
+        assert any(str(plot.parent) in n for n in r.notes) and f"Plot: `{plot}`" in r.to_markdown()
+    finally:
+        __import__("shutil").rmtree(plot.parent)
+
+
+def test_sweep_plot_log_axis_and_model_title(tiny_folder, tmp_path):
+    import matplotlib.pyplot as plt
+
+    r = profile(tiny_folder, "cpu-host", prompt_len=8, gen_len=4, repeat=1, sweep=[32, 64, 256],
+                out_dir=tmp_path, isolate=False)
+    r.model = "tiny-llama (fp32)"
+    fig = r.figure()
+    try:
+        assert all(ax.get_xscale() == "log" for ax in fig.axes)
+        assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["32", "64", "256"]
+        assert fig._suptitle.get_text().startswith("tiny-llama (fp32): measured on this host")
+    finally:
+        plt.close(fig)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"sweep-{tiny_folder.name}-cpu-host.png"]
+
+
+def test_model_name_from_the_export_record():
+    from devices.profiler.report import model_name
+
+    ckpt_export = {"precision": "int4", "provenance": {"source": "/x/ckpt", "compression": {
+        "provenance": {"source": {"kind": "alias", "spec": "smollm2-135m", "path": "/p/a.gguf"}}}}}
+    assert model_name(ckpt_export, "/out/onnx") == "smollm2-135m (int4)"
+    assert model_name({"provenance": {"source": "/models/Qwen2.5-0.5B/"}}, "/o") == "Qwen2.5-0.5B"
+    assert model_name({}, "/out/my-export") == "my-export"
+
+
+def test_progress_counts_every_step(tiny_folder):
+    from devices.profiler import measure
+
+    cfg = {"folder": str(tiny_folder), "device": "cpu", "threads": 1, "prompt_len": 8, "gen_len": 4,
+           "repeat": 2, "sweep": [32], "max_length": 64, "budget_bytes": 0, "profile_name": "cpu-host"}
+    assert measure.step_labels(cfg) == ["load + warm-up", "run 1/2", "run 2/2", "context 32"]
+    for isolate in (True, False):
+        steps = []
+        measure.run_worker(cfg, isolate, 300, lambda: steps.append(1))
+        assert len(steps) == 4, isolate
+
+
+def test_cli_profile_sweep_list_progress_and_outputs(tiny_folder, tmp_path, monkeypatch, capsys):
+    from _cli import one_line_error, run_cli
+
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["profile", tiny_folder, "--prompt-len", "8", "--gen-len", "4", "--repeat", "1",
+                              "--sweep", "32,64", "--out", tmp_path / "o"], capsys)
+    assert code == 0, err
+    assert "profile: " in err                                   # the progress bar
+    assert "| 32 |" in out and "| 64 |" in out and "Projected" not in out
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["profile.md", f"sweep-{tiny_folder.name}-cpu-host.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+    for bad in ("32,x", "0"):
+        code, _, err = run_cli(["profile", tiny_folder, "--sweep", bad], capsys)
+        one_line_error(code, err, f"--sweep {bad!r} is not a list of context lengths", "--sweep 128,512,2048")

@@ -331,8 +331,8 @@ def test_profile_checks_arguments_before_measuring(folder, monkeypatch, tmp_path
         rp.profile(folder, "cpu-host", prompt_len=8, gen_len=1, repeat=1)
     with pytest.raises(GenerationError, match="sweep must be"):
         rp.profile(folder, "cpu-host", prompt_len=8, gen_len=4, repeat=1, sweep="abc")
-    # the default targets are read before measuring too: a broken profile file that was
-    # not asked for failed only after the whole run (its measurement lost)
+    # the targets are read before measuring: a broken profile file failed only after the
+    # whole run (its measurement lost); cpu-host projects only to targets asked for
     import shutil
     import devices
     import devices.catalog
@@ -341,4 +341,4 @@ def test_profile_checks_arguments_before_measuring(folder, monkeypatch, tmp_path
     (broken / "raspberry-pi-5.toml").write_text("name = [unclosed")
     monkeypatch.setattr(devices.catalog, "PROFILE_DIR", broken)
     with pytest.raises(DeviceError, match="raspberry-pi-5.toml"):
-        rp.profile(folder, "cpu-host", prompt_len=8, gen_len=4, repeat=1)
+        rp.profile(folder, "cpu-host", prompt_len=8, gen_len=4, repeat=1, targets=["raspberry-pi-5"])
