@@ -25,10 +25,26 @@ groups already compressed (the GPTQ reference code's ``--true-sequential``);
 llm-compressor calibrates every linear of a block from one pass. The ``*_onepass`` cases
 turn it off, so both settings are reported against the same peer figure.
 
+New methods and their peers (issue 28):
+
+* ``signround_w4g64``: our SignRound (``edgeprune.methods.signround``, the "fast" schedule:
+  50 steps, lr 5e-3, 4 windows per step, :data:`SIGNROUND`) vs Intel's AutoRound
+  (``auto-round`` from PyPI in ``.venv-autoround``, ``bench/_autoround_worker.py``) with the
+  same windows, grid, steps, step size and windows per step; and vs our ``gptq_w4g64``.
+* ``fista_50`` / ``fista_2:4``: FISTAPruner (``edgeprune.methods.fista``) vs llm-compressor's
+  SparseGPT (the cached ``sparsegpt`` / ``sparsegpt24`` peer runs) and vs our
+  ``sparsegpt_*`` and ``wanda_*``.
+
+The table "new methods vs edgeprune's own" gives the perplexity ratios against our own
+baselines when both cases ran, with the issue's bounds (SignRound <= 0.97 x GPTQ,
+FISTAPruner <= 0.95 x SparseGPT); those pairs are also JSON records with
+``"peer": "edgeprune <case>"``.
+
 Usage::
 
     .venv/bin/python bench/compare_methods.py --json bench/results/compare_methods.json
     .venv/bin/python bench/compare_methods.py --quick --json /tmp/q.json   # < 10 min
+    .venv/bin/python bench/compare_methods.py --cases gptq_w4g64,signround_w4g64 --json bench/results/signround.json
 
 Peer results are cached under ``bench/.cache/peers/`` keyed by method and calibration;
 a cached figure is reused (and labelled ``cached`` in the table and JSON ``note``) unless
@@ -64,8 +80,8 @@ LLMC_PKG = "llmcompressor==0.14.0.1"
 
 def cases(group_size: int = 64):
     """(case name, edgeprune config factory or None for dense, peer method key or None)."""
-    from edgeprune.recipe import (AWQConfig, GPTQConfig, MagnitudeConfig, RTNConfig,
-                                  SparseGPTConfig, WandaConfig)
+    from edgeprune.recipe import (AWQConfig, FISTAConfig, GPTQConfig, MagnitudeConfig, RTNConfig,
+                                  SignRoundConfig, SparseGPTConfig, WandaConfig)
     g = group_size
     return [
         ("dense", None, None),
@@ -87,7 +103,19 @@ def cases(group_size: int = 64):
         ("wanda_2:4", lambda: WandaConfig(prune_n=2, prune_m=4), "wanda24"),
         ("magnitude_50", lambda: MagnitudeConfig(sparsity=0.5), None),
         ("magnitude_2:4", lambda: MagnitudeConfig(prune_n=2, prune_m=4), None),
+        # SignRound (ours) vs AutoRound (auto-round from PyPI): same windows, grid, steps,
+        # step size and windows per step (SIGNROUND below)
+        (f"signround_w4g{g}", lambda: SignRoundConfig(bits=4, group_size=g, sym=True, **SIGNROUND), "autoround"),
+        ("fista_50", lambda: FISTAConfig(sparsity=0.5), "sparsegpt"),
+        ("fista_2:4", lambda: FISTAConfig(prune_n=2, prune_m=4), "sparsegpt24"),
     ]
+
+
+#: the SignRound / AutoRound schedule compared: AutoRound's "light" recipe (50 steps,
+#: lr 5e-3) with 4 calibration windows per step, our "fast" default
+SIGNROUND = {"iters": 50, "lr": 5e-3, "batch_size": 4}
+AUTOROUND = "autoround"
+AUTOROUND_PKG = "auto-round==0.16.1"
 
 
 QUICK_CASES = ("dense", "rtn_w4g64", "gptq_w4g64", "wanda_50")
@@ -115,14 +143,17 @@ def _peer_run(method: str, model_dir: Path, calib_path: Path, key: str, nwindows
     """Run llm-compressor (or reuse its cached result): {"ppl", "seconds", "error", "note"}."""
     cdir = CACHE / "peers"
     cdir.mkdir(parents=True, exist_ok=True)
-    cfile = cdir / f"{method}-{key}-w{nwindows}.json"
+    sched = "-".join(f"{k}{v}" for k, v in SIGNROUND.items()) if method == AUTOROUND else ""
+    cfile = cdir / f"{method}{sched and '-' + sched}-{key}-w{nwindows}.json"
     if cfile.exists() and not fresh:
         rec = json.loads(cfile.read_text())
         rec["note"] = f"cached {rec.get('when', '?')} ({cfile.name})"
         return rec
     rec = {"ppl": None, "seconds": None, "error": None, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    venv, pkg, mod = (("autoround", AUTOROUND_PKG, "auto_round") if method == AUTOROUND
+                      else ("llmcompressor", LLMC_PKG, "llmcompressor"))
     try:
-        py = ensure_venv("llmcompressor", [LLMC_PKG], check_import="llmcompressor", log=log)
+        py = ensure_venv(venv, [pkg], check_import=mod, log=log)
     except RuntimeError as e:
         rec["error"] = f"peer venv setup failed: {e}"
         return rec
@@ -132,9 +163,13 @@ def _peer_run(method: str, model_dir: Path, calib_path: Path, key: str, nwindows
         res_file.unlink()
     import shutil
     shutil.rmtree(out, ignore_errors=True)
-    r = run_peer(py, [str(ROOT / "bench" / "_llmc_worker.py"), "--model", str(model_dir), "--calib",
-                      str(calib_path), "--method", method, "--out", str(out), "--result", str(res_file)],
-                 timeout=timeout, log=log)
+    if method == AUTOROUND:
+        args = [str(ROOT / "bench" / "_autoround_worker.py"), "--iters", str(SIGNROUND["iters"]),
+                "--lr", str(SIGNROUND["lr"]), "--batch-size", str(SIGNROUND["batch_size"])]
+    else:
+        args = [str(ROOT / "bench" / "_llmc_worker.py"), "--method", method]
+    r = run_peer(py, args + ["--model", str(model_dir), "--calib", str(calib_path), "--out", str(out),
+                             "--result", str(res_file)], timeout=timeout, log=log)
     res = json.loads(res_file.read_text()) if res_file.exists() else {
         "ok": False, "error": f"worker exited rc={r['rc']}: {r['tail'][-600:]}"}
     rec["version"] = res.get("version")
@@ -149,6 +184,30 @@ def _peer_run(method: str, model_dir: Path, calib_path: Path, key: str, nwindows
         shutil.rmtree(out, ignore_errors=True)
     cfile.write_text(json.dumps(rec, indent=2))
     return rec
+
+
+#: (new method's case, our baseline's case, the issue's bound on the perplexity ratio or None)
+VS_OURS = [("signround_w4g64", "gptq_w4g64", 0.97), ("fista_50", "sparsegpt_50", 0.95), ("fista_50", "wanda_50", None),
+           ("fista_2:4", "sparsegpt_2:4", 0.95), ("fista_2:4", "wanda_2:4", None)]
+
+
+def _vs_ours(rows, records, console, Table, f) -> None:
+    """SignRound vs our GPTQ, FISTAPruner vs our SparseGPT / Wanda (same run, same
+    calibration): one record per pair whose both cases ran (``peer`` = ``"edgeprune <case>"``)."""
+    got = {r[0]: r for r in rows}
+    t = Table(title="new methods vs edgeprune's own (same calibration; perplexity ratio; seconds noisy)")
+    for col in ("case", "vs", "ppl", "ppl vs", "ratio", "bound", "ok", "s", "s vs"):
+        t.add_column(col)
+    for new, base, bound in VS_OURS:
+        if new not in got or base not in got or got[new][1] is None or got[base][1] is None:
+            continue
+        po, pb = got[new][1], got[base][1]
+        ok = "—" if bound is None else ("yes" if po / pb <= bound else "NO")
+        t.add_row(new, base, f(po), f(pb), f(po / pb, "{:.3f}"), "—" if bound is None else f"<= {bound}", ok,
+                  f(got[new][3], "{:.0f}"), f(got[base][3], "{:.0f}"))
+        records.append({"case": new, "metric": "ppl", "ours": po, "peer": f"edgeprune {base}", "theirs": pb})
+    if t.row_count:
+        console.print(t)
 
 
 def main(argv=None) -> int:
@@ -218,7 +277,8 @@ def main(argv=None) -> int:
         if peer_method and not a.no_peer:
             peer = _peer_run(peer_method, model_dir, calib_path, key, nwindows, tok, a.fresh_peers,
                              a.peer_timeout, log)
-        note = "; ".join(x for x in (err, peer.get("error") and f"{PEER}: {peer['error']}",
+        peer_name = "auto-round" if peer_method == AUTOROUND else PEER
+        note = "; ".join(x for x in (err, peer.get("error") and f"{peer_name}: {peer['error']}",
                                      peer.get("note")) if x)
         has_peer = bool(peer_method) and not a.no_peer
         for metric, ours, theirs in (("ppl", ours_ppl, peer.get("ppl")),
@@ -226,11 +286,11 @@ def main(argv=None) -> int:
             if metric == "seconds" and factory is None:
                 continue
             rec = {"case": name, "metric": metric, "ours": ours,
-                   "peer": PEER if has_peer else None, "theirs": theirs if has_peer else None}
+                   "peer": peer_name if has_peer else None, "theirs": theirs if has_peer else None}
             if note:
                 rec["note"] = note
             records.append(rec)
-        rows.append((name, ours_ppl, peer.get("ppl"), ours_s, peer.get("seconds"), note))
+        rows.append((name, ours_ppl, peer.get("ppl"), ours_s, peer.get("seconds"), note, peer_name))
         console.print(f"[bold]{name}[/]: ppl {ours_ppl} / {peer.get('ppl')}  s {ours_s} / {peer.get('seconds')}"
                       + (f"  ({note})" if note else ""))
         if a.json:
@@ -239,17 +299,18 @@ def main(argv=None) -> int:
     def f(x, fmt="{:.2f}"):
         return "—" if x is None else fmt.format(x)
 
-    t = Table(title=f"edgeprune vs {PEER} — SmolLM2-135M, calib C4 {nsamples}x{a.seqlen}, "
+    t = Table(title=f"edgeprune vs {PEER} / auto-round — SmolLM2-135M, calib C4 {nsamples}x{a.seqlen}, "
                     f"WikiText-2 {nwindows}x512 (seconds: shared 2-core machine, noisy)")
-    for col in ("case", "ppl ours", "ppl theirs", "ppl ratio", "s ours", "s theirs", "s ratio", "ok", "note"):
+    for col in ("case", "peer", "ppl ours", "ppl theirs", "ppl ratio", "s ours", "s theirs", "s ratio", "ok", "note"):
         t.add_column(col)
-    for name, po, pt, so, st, note in rows:
+    for name, po, pt, so, st, note, pn in rows:
         pr = po / pt if po and pt else None
         sr = so / st if so and st else None
         ok = "—" if pr is None else ("yes" if pr <= 1.005 and (sr is None or sr <= 1.0) else "NO")
-        t.add_row(name, f(po), f(pt), f(pr, "{:.3f}"), f(so, "{:.1f}"), f(st, "{:.1f}"), f(sr, "{:.2f}"), ok,
-                  (note or "")[:80])
+        t.add_row(name, pn if pt is not None else "—", f(po), f(pt), f(pr, "{:.3f}"), f(so, "{:.1f}"), f(st, "{:.1f}"),
+                  f(sr, "{:.2f}"), ok, (note or "")[:80])
     console.print(t)
+    _vs_ours(rows, records, console, Table, f)
     if a.json:
         write_json_records(a.json, records)
         console.print(f"wrote {len(records)} records to {a.json}")
