@@ -29,8 +29,11 @@ Per layer (:func:`fista_prune`):
 2. **Solve** (1) at that ``lambda`` on every row (``iters`` steps from the same start).
 3. **Exact pattern**: keep the largest ``|W_ij| sqrt(G_jj)`` of the solution: exactly
    ``round(sparsity x out x in)`` zeros per layer, or ``prune_n`` of every ``prune_m``.
-4. **Refit** the kept weights: FISTA on ``f`` restricted to the mask (``lambda = 0``,
-   ``refine_iters`` steps), which removes the L1 shrinkage of the kept weights.
+4. **Refit** the kept weights: ``f`` minimized over the mask by conjugate gradients
+   (every row its own least-squares system, ``refine_iters`` steps), which removes the L1
+   shrinkage of the kept weights.
+5. **Keep the better** of that solution and the warm start (refit on its own pattern the
+   same way) by ``f``: the layer's reconstruction error never exceeds the warm start's.
 
 FISTA runs in the monotone form (MFISTA: an iterate is kept only when it lowers the
 objective, so the objective never increases) on the diagonally preconditioned variable
@@ -39,8 +42,17 @@ number when a few input channels carry large activations); the L1 term becomes a
 weighted one, ``lambda sum_ij |U_ij| / d_j``, whose proximal step is still a soft
 threshold. One ``[out, in] x [in, in]`` product per step.
 
-Start point: the dense weights (``warm_start="dense"``, default) or the Wanda-pruned
-weights (``"wanda"``). Weights an earlier stage pruned stay zero throughout.
+Warm start (``warm_start``): ``"sparsegpt"`` (default) starts FISTA from SparseGPT's
+solution (:func:`~edgeprune.methods.sparsegpt.sparsegpt_prune`) of the error-corrected
+target ``W~ = B G^-1`` (damped: the dense fit of ``W* X*`` on ``X``); ``"wanda"`` from the
+Wanda-pruned weights; ``"dense"`` from ``W*`` (the paper's). Measured on SmolLM2-135M
+(block 3, no error correction, relative layer error ``||W*X - WX||^2 / ||W*X||^2``,
+50 %): o_proj SparseGPT 0.0190, dense-start FISTA 0.0208 (20 steps) / 0.0203 (100 steps),
+SparseGPT refit 0.0147, SparseGPT-start FISTA 0.0140; down_proj SparseGPT 0.0444,
+SparseGPT refit 0.0378, SparseGPT-start FISTA 0.0551: the SparseGPT start converges to a
+better pattern in fewer steps than the dense start, and step 5 keeps the refit SparseGPT
+pattern where the L1 pattern is worse. Weights an earlier stage pruned stay zero
+throughout.
 
 Within a block the linears are pruned in forward order (``[q,k,v]``, ``[o]``,
 ``[gate,up]``, ``[down]``), each group's ``G`` and ``B`` gathered after the groups before
@@ -61,7 +73,7 @@ from .base import LayerResult, LayerTask, Method, keep_mask_from_score, pattern_
 from .config import PruneOptions
 from .registry import register_method
 
-_WARM = ("dense", "wanda")
+_WARM = ("sparsegpt", "wanda", "dense")
 
 
 @dataclass
@@ -73,17 +85,20 @@ class FISTAConfig(PruneOptions):
     tries and the fraction of the layer's weights its solution may miss the target count by
     (the exact pattern is then imposed). ``search_rows``: rows the bisection solves on
     (``0``: all). ``error_correction``: fit the dense block's outputs (the paper's
-    cumulative-error elimination; off: ``X* = X``). ``warm_start``: ``"dense"`` or
-    ``"wanda"``. ``seed``: the bisection's row subset.
+    cumulative-error elimination; off: ``X* = X``). ``warm_start``: ``"sparsegpt"``
+    (default), ``"wanda"`` or ``"dense"`` (see the module docstring); ``percdamp``: the
+    damping of the SparseGPT warm start and of the error-corrected target. ``seed``: the
+    bisection's row subset.
     """
 
-    iters: int = 20
+    iters: int = 10
     refine_iters: int = 40
     lambda_steps: int = 16
-    lambda_tol: float = 0.02
-    search_rows: int = 256
+    lambda_tol: float = 0.03
+    search_rows: int = 128
     error_correction: bool = True
-    warm_start: str = "dense"
+    warm_start: str = "sparsegpt"
+    percdamp: float = 0.01
     seed: int = 0
     method = "fista"
 
@@ -96,6 +111,8 @@ class FISTAConfig(PruneOptions):
         for attr in ("refine_iters", "search_rows"):
             if getattr(self, attr) < 0:
                 raise ConfigError(f"fista {attr}={getattr(self, attr)} must be >= 0", f"use e.g. {attr}=40")
+        if not self.percdamp >= 0:
+            raise ConfigError(f"fista percdamp={self.percdamp} must be >= 0", "use 0.01")
         if not 0 < self.lambda_tol < 1:
             raise ConfigError(f"fista lambda_tol={self.lambda_tol} must be in (0, 1)", "use e.g. 0.02")
         if self.warm_start not in _WARM:
@@ -205,11 +222,12 @@ def fista_lasso(W0: torch.Tensor, G: torch.Tensor, B: torch.Tensor, lam: float, 
 
 
 def fista_prune(W: torch.Tensor, G: torch.Tensor, B: Optional[torch.Tensor] = None, *, sparsity: float = 0.5,
-                prune_n: int = 0, prune_m: int = 0, iters: int = 20, refine_iters: int = 40,
-                lambda_steps: int = 16, lambda_tol: float = 0.02, search_rows: int = 256,
-                mask: Optional[torch.Tensor] = None, warm: Optional[torch.Tensor] = None, seed: int = 0,
+                prune_n: int = 0, prune_m: int = 0, iters: int = 10, refine_iters: int = 40,
+                lambda_steps: int = 16, lambda_tol: float = 0.03, search_rows: int = 128,
+                mask: Optional[torch.Tensor] = None, warm: Optional[torch.Tensor] = None,
+                warm_keep: Optional[torch.Tensor] = None, seed: int = 0,
                 name: str = "layer") -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Prune ``W`` with FISTAPruner (steps 1-4 of the module docstring).
+    """Prune ``W`` with FISTAPruner (steps 1-5 of the module docstring).
 
     Args:
         W: ``[out, in]`` dense weight ``W*``. G: ``[in, in]`` ``X^T X / n``.
@@ -218,11 +236,14 @@ def fista_prune(W: torch.Tensor, G: torch.Tensor, B: Optional[torch.Tensor] = No
         prune_n, prune_m: N:M pattern. iters, refine_iters, lambda_steps, lambda_tol,
         search_rows: see :class:`FISTAConfig`.
         mask: earlier ``bool [out, in]`` keep-mask; pruned weights stay zero.
-        warm: starting point of the first ``lambda`` (default ``W``).
+        warm: starting point of FISTA (default ``W``).
+        warm_keep: the pattern of a pruned ``warm`` (which then is a candidate too: refit
+            on its own pattern, kept when its objective is lower, step 5).
 
     Returns:
         ``(W_new [out, in], keep bool [out, in], info)`` with ``info = {"lambda",
-        "lambda_zeros"`` (fraction of zeros of the lambda solution), ``"tries"}``.
+        "lambda_zeros"`` (fraction of zeros of the lambda solution), ``"tries"``,
+        ``"chose"``: ``"fista"`` or ``"warm"``, ``"objective"``: ``{candidate: f}}``.
 
     Raises:
         CompressionError: the bisection could not bring the solution's zeros within
@@ -275,7 +296,15 @@ def fista_prune(W: torch.Tensor, G: torch.Tensor, B: Optional[torch.Tensor] = No
         lam_zeros = float((U == 0).float().mean())
         keep = keep_mask_from_score(U.abs(), sparsity, prune_n, prune_m, keep0, per_row=False)
         U = p.refit(U, keep, refine_iters)
-    return (U / p.d[None, :]) * keep, keep, {"lambda": lam, "lambda_zeros": lam_zeros, "tries": tries}
+        info = {"lambda": lam, "lambda_zeros": lam_zeros, "tries": tries, "chose": "fista",
+                "objective": {"fista": p.objective(U, U @ p.Gp, 0.0)}}
+        if warm is not None and warm_keep is not None:
+            wk = warm_keep.to(W.device, torch.bool)
+            Uw = p.refit(warm.float() * p.d[None, :], wk, refine_iters)
+            info["objective"]["warm"] = p.objective(Uw, Uw @ p.Gp, 0.0)
+            if info["objective"]["warm"] < info["objective"]["fista"]:
+                U, keep, info["chose"] = Uw, wk, "warm"
+    return (U / p.d[None, :]) * keep, keep, info
 
 
 def _grouped_calls(block: nn.Module, rel: dict, batch) -> list[list[str]]:
@@ -319,6 +348,11 @@ class FISTA(Method):
 
     needs_block_inputs = True
 
+    def __init__(self, config):
+        super().__init__(config)
+        #: layer name -> ``"fista"`` or ``"warm"``: which candidate each layer kept
+        self.chosen: dict[str, str] = {}
+
     def compress_block(self, block: nn.Module, tasks: list[LayerTask], inputs=None) -> dict[str, LayerResult]:
         """Prune the target linears of ``block``.
 
@@ -358,22 +392,43 @@ class FISTA(Method):
 
     def _prune(self, t: LayerTask, G: torch.Tensor, B: torch.Tensor, n_tok: int) -> LayerResult:
         c = self.config
-        warm = None
-        if c.warm_start == "wanda":
-            from .wanda import wanda_prune
-            keep = wanda_prune(t.weight, torch.diagonal(G).clamp(min=0).sqrt(), c.sparsity, c.prune_n,
-                               c.prune_m, t.mask)
-            warm = t.weight * keep
         if n_tok == 0 or not bool((torch.diagonal(G) > 0).any()):
             from .magnitude import magnitude_prune
             keep = magnitude_prune(t.weight, c.sparsity, c.prune_n, c.prune_m, t.mask)
             return LayerResult(weight=t.weight * keep, mask=keep, pattern=pattern_name(c),
                                notes=[f"{t.name}: no usable calibration activations -> magnitude"])
+        warm, warm_keep = self._warm(t, G, B)
         w, keep, info = fista_prune(t.weight, G, B, sparsity=c.sparsity, prune_n=c.prune_n, prune_m=c.prune_m,
                                     iters=c.iters, refine_iters=c.refine_iters, lambda_steps=c.lambda_steps,
                                     lambda_tol=c.lambda_tol, search_rows=c.search_rows, mask=t.mask, warm=warm,
-                                    seed=c.seed, name=t.name)
+                                    warm_keep=warm_keep, seed=c.seed, name=t.name)
+        self.chosen[t.name] = info["chose"]
         return LayerResult(weight=w, mask=keep, pattern=pattern_name(c))
+
+    def _warm(self, t: LayerTask, G: torch.Tensor, B: torch.Tensor):
+        """``(warm, warm_keep)``: SparseGPT's or Wanda's solution of the layer's target
+        (with error correction, the least-squares dense fit ``B G^-1``), or ``(None, None)``."""
+        c = self.config
+        if c.warm_start == "dense":
+            return None, None
+        if c.warm_start == "wanda":
+            from .wanda import wanda_prune
+            keep = wanda_prune(t.weight, torch.diagonal(G).clamp(min=0).sqrt(), c.sparsity, c.prune_n,
+                               c.prune_m, t.mask)
+            return t.weight * keep, keep
+        from .obs import fix_dead_channels
+        from .sparsegpt import sparsegpt_prune
+        target = t.weight
+        if c.error_correction:
+            Gd = fix_dead_channels(G.float())
+            Gd = Gd + max(c.percdamp, 1e-6) * float(torch.diagonal(Gd).mean()) * torch.eye(
+                Gd.shape[0], device=Gd.device)
+            L, info = torch.linalg.cholesky_ex(Gd)
+            if int(info) == 0:
+                target = torch.cholesky_solve(B.float().t(), L).t()
+        r = sparsegpt_prune(target, G, sparsity=c.sparsity, prune_n=c.prune_n, prune_m=c.prune_m,
+                            percdamp=c.percdamp, mask=t.mask, name=t.name)
+        return (None, None) if r is None else (r[0], r[1])
 
 
 __all__ = ["FISTAConfig", "FISTA", "fista_prune", "fista_lasso", "lasso_objective"]

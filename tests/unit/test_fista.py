@@ -110,7 +110,8 @@ def test_beats_wanda_on_the_layer_reconstruction():
 
 @pytest.mark.parametrize("cfg", [FISTAConfig(sparsity=0.5), FISTAConfig(sparsity=0.3, error_correction=False),
                                  FISTAConfig(prune_n=2, prune_m=4), FISTAConfig(prune_n=4, prune_m=8),
-                                 FISTAConfig(sparsity=0.5, warm_start="wanda")],
+                                 FISTAConfig(sparsity=0.5, warm_start="wanda"),
+                                 FISTAConfig(prune_n=2, prune_m=4, warm_start="dense", error_correction=False)],
                          ids=lambda c: f"{c.prune_n}:{c.prune_m}-{c.sparsity}-{c.warm_start}")
 def test_engine_exact_patterns_per_layer(tiny_llama, cfg):
     res = compress(tiny_llama, cfg, _calib(), progress=False)
@@ -144,10 +145,35 @@ def test_a_lambda_search_that_cannot_reach_the_target_names_the_layer(tiny_llama
     ({"lambda_steps": 0}, "lambda_steps=0 must be >= 1"),
     ({"refine_iters": -1}, "refine_iters=-1 must be >= 0"),
     ({"lambda_tol": 0.0}, r"lambda_tol=0.0 must be in \(0, 1\)"),
-    ({"warm_start": "sparsegpt"}, "warm_start='sparsegpt' is unknown"),
+    ({"warm_start": "gptq"}, "warm_start='gptq' is unknown"),
+    ({"percdamp": -1.0}, "percdamp=-1.0 must be >= 0"),
 ])
 def test_bad_settings_are_refused(opts, match):
     with pytest.raises(ConfigError, match=match):
         FISTAConfig.from_options(**opts)
     with pytest.raises(ConfigError, match=match):
         Recipe.from_dict({"stages": [{"method": "fista", **opts}]}).validate()
+
+
+def test_warm_start_candidate_is_never_beaten_by_a_worse_fista_pattern():
+    """Step 5: the result's objective is at most the refit warm start's."""
+    from edgeprune.methods.fista import _Problem
+    from edgeprune.methods.sparsegpt import sparsegpt_prune
+
+    W, X, G = _layer(out=32, inp=64)
+    ws, wk = sparsegpt_prune(W, G, sparsity=0.5)[:2]
+    w, keep, info = fista_prune(W, G, sparsity=0.5, warm=ws, warm_keep=wk)
+    assert set(info["objective"]) == {"fista", "warm"} and info["chose"] in ("fista", "warm")
+    p = _Problem(G, W @ G)
+    U = w * p.d[None, :]
+    assert p.objective(U, U @ p.Gp, 0.0) <= min(info["objective"].values()) + 1e-6 * abs(min(info["objective"].values()))
+    assert relative_error(W, w, G) <= relative_error(W, ws, G)  # the refit never loses to SparseGPT
+
+
+def test_shipped_presets_parse():
+    from edgeprune.pipeline import preset_names, resolve_recipe
+
+    names = preset_names()
+    assert {"best-w4", "best-w4-signround", "best-50", "best-2-4"} <= set(names)
+    for n in names:
+        Recipe.from_file(resolve_recipe(n)).validate()
