@@ -106,9 +106,18 @@ def cases(group_size: int = 64):
         # SignRound (ours) vs AutoRound (auto-round from PyPI): same windows, grid, steps,
         # step size and windows per step (SIGNROUND below)
         (f"signround_w4g{g}", lambda: SignRoundConfig(bits=4, group_size=g, sym=True, **SIGNROUND), "autoround"),
+        # the shipped presets (edgeprune/recipes/*.yaml): best-w4 (GPTQ) and its SignRound variant
+        ("best-w4", lambda: _preset("best-w4"), None),
+        ("best-w4-signround", lambda: _preset("best-w4-signround"), None),
         ("fista_50", lambda: FISTAConfig(sparsity=0.5), "sparsegpt"),
         ("fista_2:4", lambda: FISTAConfig(prune_n=2, prune_m=4), "sparsegpt24"),
     ]
+
+
+def _preset(name: str):
+    from edgeprune.pipeline import resolve_recipe
+    from edgeprune.recipe import Recipe
+    return Recipe.from_file(resolve_recipe(name))
 
 
 #: the SignRound / AutoRound schedule compared: AutoRound's "light" recipe (50 steps,
@@ -267,6 +276,10 @@ def main(argv=None) -> int:
                 res = compress(m, factory(), ids, progress=False, measure_errors=False)
                 ours_s = time.perf_counter() - t0
                 ours_ppl = _ppl(m, tok, nwindows)
+                bpw = res.summary()["avg_bits_per_weight"]
+                if bpw is not None:
+                    records.append({"case": name, "metric": "bits_per_weight", "ours": bpw, "peer": None,
+                                    "theirs": None})
                 if res.fallbacks:
                     err = f"{len(res.fallbacks)} fallbacks: {res.fallbacks[0]}"
             except Exception as e:  # noqa: BLE001 - recorded, the bench goes on
