@@ -39,7 +39,12 @@ of the zero point (dequantizes to exactly 0), so the mask survives.
 Schedules (``schedule``): ``"fast"`` (the default, AutoRound's "light" recipe: 50 steps,
 ``lr = 5e-3``, 4 windows per step) and ``"thorough"`` (AutoRound's default: 200 steps,
 ``lr = 1/200``, 8 windows per step); ``iters``, ``lr``, ``minmax_lr`` and ``batch_size``
-override them.
+override them. The fast schedule's work per block: one forward pass over the calibration
+windows for the targets, then 50 forward+backward passes over 4 windows (2,048 tokens at
+512 per window); for SmolLM2-135M (30 blocks) about 1,500 block passes, a few times GPTQ's
+time (``bench/compare_methods.py --cases gptq_w4g64,signround_w4g64`` prints both).
+Measured there (32 x 512 C4 windows, WikiText-2 40 x 512, W4 g64 symmetric): perplexity
+34.11 vs GPTQ's 39.83 (dense 28.74).
 """
 
 from __future__ import annotations
