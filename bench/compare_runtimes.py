@@ -9,9 +9,9 @@ batch 1, a 128-token WikiText-2 prompt (the same ids for both), 128 greedy new t
 (EOS ignored), 1 and 2 intra-op threads, KV cache sized 256 for both. Cases
 ``int4-t1``/``int4-t2`` use what ``edgeprune run`` ships by default (the best-w4 preset:
 GPTQ int4 g64 asym with 8-bit v_proj and layers.0 down_proj, calibrated on text sampled from
-the model; 8-bit lm_head shared with the embedding; ``bench/_peers.py`` ``OURS_VARIANTS``);
-``int4-rtn-g32-t*`` the plain ``export_onnx(precision="int4")`` of the dense weights (RTN
-asym block 32, block for block like the peer) and ``int4-rtn-g32-lmhead4-t*`` the same with
+the model; 8-bit lm_head shared with the embedding; ``benchlib.OURS_VARIANTS``);
+``int4-rtn-g32-t*`` the plain ``export_onnx(precision="int4", group_size=32)`` of the dense
+weights (data-free RTN asym block 32, block for block like the peer) and ``int4-rtn-g32-lmhead4-t*`` the same with
 an int4 lm_head like the peer's builder default (like-for-like bytes per token). Reported: decode
 tokens/s (127 steps after the first token), time to first token, peak RSS (the kernel's
 ``VmHWM`` of the worker, cross-checked by psutil polling from the parent), model file
@@ -19,17 +19,21 @@ size; medians over ``--repeat`` runs, ratios ours/theirs.
 
     python bench/compare_runtimes.py --quick --json bench/results/compare_runtimes.json
 
+``--quick``: 2 repeats, and the ``int4-t*`` cases only when a current ``default`` export
+is already cached (building it takes 30+ min); the two data-free RTN exports take 1-3 min
+each, the peer's venv (``make bench-peers``) and its model builder a few more.
+
 JSON: a list of ``{"case", "metric", "ours", "peer", "theirs"}`` with metrics
-``decode_tok_s``, ``ttft_ms``, ``peak_rss_mb``, ``file_mb``; cases ``int4-t1``,
-``int4-t2``; peer ``onnxruntime-genai``. A peer failure is recorded (``theirs`` null,
-``error`` set), never hidden. Timings on a shared 2-core machine are noisy.
+``decode_tok_s``, ``ttft_ms``, ``peak_rss_mib``, ``file_mib``; cases ``int4-t1``,
+``int4-t2``...; peer ``onnxruntime-genai``. A failure is recorded (the figure null, plus an
+``error`` record with the message), never hidden. Timings on a shared 2-core machine are
+noisy.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -37,7 +41,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import benchlib
+
 PEER = "onnxruntime-genai"
 PROMPT_LEN, NEW_TOKENS, MAX_LENGTH = 128, 128, 256
 
@@ -55,7 +60,6 @@ def _vm_hwm() -> int:
 
 
 def worker_ours(folder: str, threads: int, ids: list[int], new: int) -> dict:
-    sys.path.insert(0, str(ROOT))
     import runtime
     t0 = time.perf_counter()
     s = runtime.load(folder, threads=threads, max_length=MAX_LENGTH)
@@ -107,8 +111,8 @@ def _run_worker(py: Path, impl: str, folder: Path, threads: int, prompt: Path, n
     import psutil
     cmd = [str(py), str(Path(__file__).resolve()), "--worker", impl, "--folder", str(folder),
            "--threads", str(threads), "--prompt", str(prompt), "--new", str(new)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=benchlib.worker_env(OMP_NUM_THREADS=threads))
     proc = psutil.Process(p.pid)
     sampled = 0
     t0 = time.time()
@@ -130,12 +134,13 @@ def _run_worker(py: Path, impl: str, folder: Path, threads: int, prompt: Path, n
     return rec
 
 
-def _prepare(work: Path, log, rebuild: bool) -> dict:
-    """Export ours, build theirs (own venv), write the prompt. Returns paths/errors."""
-    sys.path.insert(0, str(ROOT))
+def _prepare(work: Path, log, rebuild: bool, quick: bool) -> dict:
+    """Export ours, build theirs (own venv), write the prompt. Returns paths/errors.
+    ``quick``: the shipped default export only if a current one is cached."""
     info: dict = {"errors": {}}
-    ours, hf, theirs = work / "ours-int4", work / "hf-fp32", work / "genai-int4"
-    ours4 = work / "ours-int4-lmhead4"
+    # g32 in the folder name: exports cached before group_size=32 was explicit were g64
+    ours, hf, theirs = work / "ours-int4-g32", work / "hf-fp32", work / "genai-int4"
+    ours4 = work / "ours-int4-g32-lmhead4"
     prompt = work / "prompt.json"
     need_model = rebuild or not all(p.exists() for p in (ours / "model.onnx",
                                                          ours4 / "model.onnx", hf / "config.json"))
@@ -145,38 +150,39 @@ def _prepare(work: Path, log, rebuild: bool) -> dict:
         model, tok = load_model("smollm2-135m")
         if rebuild or not (ours / "model.onnx").exists():
             t = time.perf_counter()
-            res = exporters.export_onnx(model, tok, ours, precision="int4", overwrite=True,
-                                        max_length=2048, provenance={"bench": "compare_runtimes"})
+            res = exporters.export_onnx(model, tok, ours, precision="int4", group_size=32,
+                                        overwrite=True, max_length=2048,
+                                        provenance={"bench": "compare_runtimes"})
             log(f"ours: exported in {time.perf_counter() - t:.1f}s: {res.summary()}")
         if rebuild or not (ours4 / "model.onnx").exists():
             # like-for-like with the peer's builder default: int4 lm_head (shared table)
             res = exporters.export_onnx(model, tok, ours4, precision="int4", lm_head="int4",
-                                        overwrite=True, max_length=2048,
+                                        group_size=32, overwrite=True, max_length=2048,
                                         provenance={"bench": "compare_runtimes"})
             log(f"ours (int4 lm_head): {res.summary()}")
         if rebuild or not (hf / "config.json").exists():
             model.save_pretrained(hf)
             tok.save_pretrained(hf)
-        text = (ROOT.parent / "shared" / "data" / "wikitext2" / "wiki.test.raw").read_text()
+        text = benchlib.WIKI.read_text()
         ids = tok(text[:20000], add_special_tokens=False)["input_ids"][1000:1000 + PROMPT_LEN]
         prompt.write_text(json.dumps(ids))
         del model
     info["ours"] = ours
     info["ours4"] = ours4
-    # what `edgeprune run` ships: GPTQ int4 g64 asym + 8-bit head (cached, shared with
-    # bench/compare_llamacpp.py)
-    from bench._peers import ensure_ours, ours_folder
-    err = ensure_ours(ours_folder("default"), log, "default")
-    if err:
-        info["errors"]["default"] = err
+    # what `edgeprune run` ships: best-w4, self-calibrated (cached, shared with
+    # bench/compare_llamacpp.py); --quick never builds it
+    if not quick or "default" in benchlib.quick_variants():
+        err = benchlib.ensure_ours(benchlib.ours_folder("default"), log, "default")
+        if err:
+            info["errors"]["default"] = err
+        else:
+            info["default"] = benchlib.ours_folder("default")
     else:
-        info["default"] = ours_folder("default")
+        log("quick: no current cached `default` export, so no int4-t* cases (building it takes "
+            "30+ min: run once without --quick or bench/compare_llamacpp.py)")
     # the peer: own venv + its model builder
-    from bench._peers import ensure_venv
     try:
-        py = ensure_venv("ortgenai", ["onnxruntime-genai", "transformers", "onnx", "onnxruntime",
-                                      "numpy", "psutil", "safetensors"],
-                         check_import="onnxruntime_genai", log=work / "venv-ortgenai.log")
+        py = benchlib.ensure_peer("ortgenai", log=work / "venv-ortgenai.log")
         info["genai_py"] = py
         if rebuild or not (theirs / "model.onnx").exists():
             shutil.rmtree(theirs, ignore_errors=True)
@@ -214,14 +220,13 @@ def _thread_folder(base: Path, threads: int) -> Path:
 def quality(folder: Path, nwindows: int, log) -> list[dict]:
     """WikiText-2 perplexity (512-token windows) of our int4 export vs the PyTorch
     fake-quantized model with the same integer weights (the issue's 0.5% criterion)."""
-    sys.path.insert(0, str(ROOT))
     import runtime
     from edgeprune.evaluate import perplexity
     from edgeprune.models import load_model
-    from exporters.decoder import BUILDERS, BuildOptions, DecoderSpec
+    from exporters import BUILDERS, BuildOptions, DecoderSpec
     from exporters.validate import substituted_weights
     model, tok = load_model("smollm2-135m")
-    text = ROOT.parent / "shared" / "data" / "wikitext2" / "wiki.test.raw"
+    text = benchlib.WIKI
     spec = DecoderSpec.from_model(model)
     b = BUILDERS[spec.architecture](model, spec, BuildOptions(precision="int4", lm_head="q8",
                                                               max_length=2048))
@@ -232,22 +237,21 @@ def quality(folder: Path, nwindows: int, log) -> list[dict]:
         got = perplexity(lambda ids: s.logits(ids.numpy()), tok, text, nwindows=nwindows,
                          progress=False).ppl
     log(f"quality: torch fake-quant ppl {ref:.3f}, ours {got:.3f} ({100 * (got / ref - 1):+.2f}%)")
-    return [{"case": "int4-quality", "metric": "wikitext2_ppl", "ours": got, "peer": "pytorch",
-             "theirs": ref}]
+    return [benchlib.record("int4-quality", "wikitext2_ppl", got, peer="pytorch", theirs=ref)]
 
 
-def _size_mb(folder: Path) -> float:
+def _size_mib(folder: Path) -> float:
     return sum(f.stat().st_size for f in Path(folder).iterdir()
                if f.name.startswith("model.onnx")) / 2 ** 20
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", type=Path, help="write records here")
-    ap.add_argument("--quick", action="store_true", help="2 repeats (< 10 min)")
+    benchlib.add_common_args(ap, "2 repeats; the default export only if cached (< 10 min once "
+                                 ".venv-ortgenai exists)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--work", type=Path, default=ROOT / "bench" / ".cache" / "compare_runtimes")
+    ap.add_argument("--work", type=Path, default=benchlib.CACHE / "compare_runtimes")
     ap.add_argument("--rebuild", action="store_true")
     ap.add_argument("--quality", type=int, default=0, metavar="N",
                     help="also compare WikiText-2 perplexity on N windows vs PyTorch (slow)")
@@ -265,7 +269,7 @@ def main(argv=None) -> int:
     a.work.mkdir(parents=True, exist_ok=True)
     repeat = 2 if a.quick else a.repeat
     log = lambda m: print(f"[compare_runtimes] {m}", flush=True)  # noqa: E731
-    info = _prepare(a.work, log, a.rebuild)
+    info = _prepare(a.work, log, a.rebuild, a.quick)
     runs: dict = {}
     for t in a.threads:
         for rep in range(repeat):          # interleave ours/theirs to share the noise
@@ -304,19 +308,19 @@ def main(argv=None) -> int:
         rows = {
             "decode_tok_s": (med(impl, t, "decode_tok_s"), med("theirs", t, "decode_tok_s")),
             "ttft_ms": (med(impl, t, "ttft_ms"), med("theirs", t, "ttft_ms")),
-            "peak_rss_mb": tuple(None if v is None else v / 2 ** 20 for v in
-                                 (med(impl, t, "peak_rss_bytes"),
-                                  med("theirs", t, "peak_rss_bytes"))),
-            "file_mb": (_size_mb(info[impl]),
-                        _size_mb(info["theirs"]) if "theirs" in info else None),
+            "peak_rss_mib": tuple(None if v is None else v / 2 ** 20 for v in
+                                  (med(impl, t, "peak_rss_bytes"),
+                                   med("theirs", t, "peak_rss_bytes"))),
+            "file_mib": (_size_mib(info[impl]),
+                         _size_mib(info["theirs"]) if "theirs" in info else None),
         }
+        if errs or PEER in info["errors"]:
+            records.append(benchlib.error_record(case, (errs or [info["errors"].get(PEER)])[0],
+                                                 peer=PEER))
+        if oerrs:
+            records.append(benchlib.error_record(case, oerrs[0], peer=PEER, side="ours"))
         for metric, (o, th) in rows.items():
-            rec = {"case": case, "metric": metric, "ours": o, "peer": PEER, "theirs": th}
-            if errs or PEER in info["errors"]:
-                rec["error"] = (errs or [info["errors"].get(PEER)])[0]
-            if oerrs:
-                rec["ours_error"] = oerrs[0]
-            records.append(rec)
+            records.append(benchlib.record(case, metric, o, peer=PEER, theirs=th))
             ratio = f"{o / th:.2f}x" if (o and th) else "-"
             print(f"{case:<18}{metric:<14}{o if o is None else round(o, 1)!s:>10}"
                   f"{th if th is None else round(th, 1)!s:>20}{ratio:>8}")
@@ -328,9 +332,7 @@ def main(argv=None) -> int:
     if a.quality:
         records += quality(info["ours"], a.quality, log)
     if a.json:
-        from bench._peers import write_json_records
-        write_json_records(a.json, records)
-        log(f"wrote {a.json}")
+        benchlib.write_records(a.json, records)
     return 0
 
 

@@ -7,7 +7,8 @@ For M- and D-COUNTDOWN at act-sparsity 0 / 0.5 / 0.7 / 0.9:
   agreement vs the same model unfiltered. fp32 cases use the exact PyTorch reference
   (``edgeprune.countdown.apply_reference``; the unit tests prove the ONNX sparse graph
   gives the same logits and gathers the same rows). ``-int4`` cases score the exported
-  always-sparse int4 ONNX graph against the unfiltered int4 export (RTN asym g32), so the
+  always-sparse int4 ONNX graph against the unfiltered int4 export (RTN asym, the
+  exporter's default group size, 64 since it was made explicit), so the
   row-granular int4 layout (GatherBlockQuantized, down^T re-quantized along hidden) is
   included in the figure.
 * **speed**: decode tokens/s of the COUNTDOWN export (``graph_mode="if"``: dense prefill,
@@ -26,29 +27,28 @@ No peer tool implements COUNTDOWN, so ``peer``/``theirs`` are null.
 Usage::
 
     .venv/bin/python bench/countdown.py --json bench/results/countdown.json
-    .venv/bin/python bench/countdown.py --quick --json /tmp/cd.json     # < 10 min
+    .venv/bin/python bench/countdown.py --quick --json /tmp/cd.json
+
+``--quick``: 4 x 256 calibration windows, act-sparsity 0.7 only, 2 evaluation windows, 1
+thread, speed for the filtered cases only (no ``m-0`` / ``d-0`` graphs), int4 for ``d-0.7``
+only: 7 exports of the 135M model (4 fp32, 3 int4), the bulk of its time; 6-10 minutes
+on 2 cores, more on a loaded machine. Metrics carry units (``kl_nats``, ``decode_tok_s``).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-from _peers import C4, WIKI  # noqa: E402
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
+import benchlib
+from benchlib import C4, WIKI
 
 
 def log(*a):
@@ -56,9 +56,7 @@ def log(*a):
 
 
 def rec(records, case, metric, value):
-    records.append({"case": case, "metric": metric,
-                    "ours": None if value is None else float(value), "peer": None,
-                    "theirs": None})
+    records.append(benchlib.record(case, metric, None if value is None else float(value)))
 
 
 def _onnx_logits(folder, threads):
@@ -73,8 +71,8 @@ def _onnx_logits(folder, threads):
 def _decode_speed(folder, threads, prompt, new, countdown_session=False):
     """Load once; returns a callable doing one timed generation -> (tok/s, report)."""
     import runtime
-    import runtime.countdown as rc
-    s = rc.load(folder, threads=threads) if countdown_session else runtime.load(folder, threads=threads)
+    s = benchlib.load_countdown(folder, threads) if countdown_session else \
+        runtime.load(folder, threads=threads)
     s.eos_token_ids = []
     s.generate(prompt[:8], max_new_tokens=4)           # warm-up
 
@@ -87,8 +85,8 @@ def _decode_speed(folder, threads, prompt, new, countdown_session=False):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", help="write records here")
-    ap.add_argument("--quick", action="store_true", help="fewer windows/cases (< 10 min)")
+    benchlib.add_common_args(ap, "act-sparsity 0.7, 2 windows, 1 thread, filtered speed cases "
+                                 "and d-0.7 int4 only")
     ap.add_argument("--nwindows", type=int, default=None, help="WikiText-2 windows (40)")
     ap.add_argument("--nsamples", type=int, default=None)
     ap.add_argument("--seqlen", type=int, default=256)
@@ -135,7 +133,6 @@ def main(argv=None):
     from edgeprune.evaluate import fidelity
     from edgeprune.models import load_model
     from exporters import export_onnx
-    from exporters.countdown import export_countdown
 
     records: list = []
     t_all = time.time()
@@ -155,10 +152,12 @@ def main(argv=None):
         for alloc in allocs:
             sfx = "" if alloc == "uniform" else "-greedy"
             want = ([0.0] if alloc == "uniform" else []) + sps
-            if cache is not None and all((cache / key / f"{mode}-{s:g}{sfx}" / "countdown.json").exists()
-                                         for s in want):
+            # a spec file, or a spec folder cached before the variant registry
+            cached = lambda s: next((p for p in (cache / key / f"{mode}-{s:g}{sfx}.safetensors",  # noqa: E731
+                                                 cache / key / f"{mode}-{s:g}{sfx}") if p.exists()), None)
+            if cache is not None and all(cached(s) for s in want):
                 for s in want:
-                    specs[f"{mode}-{s:g}{sfx}"] = CountdownSpec.load(cache / key / f"{mode}-{s:g}{sfx}")
+                    specs[f"{mode}-{s:g}{sfx}"] = CountdownSpec.load(cached(s))
                 log(f"loaded {mode} ({alloc}) specs from {cache / key}")
                 continue
             t0 = time.time()
@@ -169,7 +168,7 @@ def main(argv=None):
             for s, sp in zip(want, got):
                 specs[f"{mode}-{s:g}{sfx}"] = sp
                 if cache is not None:
-                    sp.save(cache / key / f"{mode}-{s:g}{sfx}")
+                    sp.save(cache / key / f"{mode}-{s:g}{sfx}.safetensors")
             log(f"calibrated {mode} ({alloc}) in {time.time() - t0:.0f}s")
     for name, sp in specs.items():
         st = sp.stats
@@ -186,8 +185,7 @@ def main(argv=None):
 
     def flush():
         if a.json:
-            from _peers import write_json_records
-            write_json_records(a.json, records)
+            benchlib.write_records(a.json, records)
 
     # ------------------------------------------------------------------ quality fp32
     if not a.skip_quality:
@@ -200,11 +198,11 @@ def main(argv=None):
         for m in modes:
             rec(records, f"{m}-0", "ppl", ppl_dense)
             rec(records, f"{m}-0", "ppl_increase_pct", 0.0)
-            rec(records, f"{m}-0", "kl", 0.0)
+            rec(records, f"{m}-0", "kl_nats", 0.0)
             rec(records, f"{m}-0", "top1_agree", 1.0)
         for n, r in zip(names, res):
             for k in ("ppl", "ppl_increase_pct", "kl", "top1_agree"):
-                rec(records, n, k, r[k])
+                rec(records, n, "kl_nats" if k == "kl" else k, r[k])
             rec(records, n, "realised_act_sparsity", r["realised_sparsity"])
             rec(records, n, "recall_top_coefs", r["recall_top"])
             log(f"{n:8s} ppl {r['ppl']:.3f} (dense {r['ppl_dense']:.3f}, "
@@ -227,8 +225,8 @@ def main(argv=None):
         for n in case_names:
             d = wd / f"{n}-{precision}"
             t0 = time.time()
-            export_countdown(model, tok, d, specs[n], graph_mode="if", precision=precision,
-                             max_length=1024, validate=False, overwrite=True)
+            export_onnx(model, tok, d, variants=[(specs[n], {"graph_mode": "if"})],
+                        precision=precision, max_length=1024, validate=False, overwrite=True)
             log(f"exported {n} {precision} in {time.time() - t0:.0f}s")
             for t in threads:
                 run_c, sess_c = _decode_speed(d, t, prompt, a.new_tokens, countdown_session=True)
@@ -262,14 +260,15 @@ def main(argv=None):
         return dense_dir
 
     if not a.skip_speed:
-        names = [n for n in specs if not n.endswith("-greedy")]
+        names = [n for n in specs if not n.endswith("-greedy")
+                 and not (quick and specs[n].act_sparsity == 0)]
         speed_cases("fp32", names, "")
         # If vs always-sparse: prefill and decode of d-0.7
         if "d-0.7" in specs:
             d_if = wd / "d-0.7-fp32"
             d_sp = wd / "d-0.7-sparse-fp32"
-            export_countdown(model, tok, d_sp, specs["d-0.7"], graph_mode="sparse",
-                             precision="fp32", max_length=1024, validate=False, overwrite=True)
+            export_onnx(model, tok, d_sp, variants=[(specs["d-0.7"], {"graph_mode": "sparse"})],
+                        precision="fp32", max_length=1024, validate=False, overwrite=True)
             long_prompt = (prompt * 8)[:256]
             for t in threads:
                 ri, si = _decode_speed(d_if, t, long_prompt, 16)
@@ -309,9 +308,8 @@ def main(argv=None):
             fd, sd = _onnx_logits(dq, max(threads))
             for n in i4:
                 d = wd / f"{n}-sparse-int4"
-                export_countdown(model, tok, d, specs[n], graph_mode="sparse",
-                                 precision="int4", max_length=1024, validate=False,
-                                 overwrite=True)
+                export_onnx(model, tok, d, variants=[(specs[n], {"graph_mode": "sparse"})],
+                            precision="int4", max_length=1024, validate=False, overwrite=True)
                 fm, sm = _onnx_logits(d, max(threads))
                 t0 = time.time()
                 nq = max(2, nwin // 8) if not quick else 2
@@ -320,7 +318,7 @@ def main(argv=None):
                 rec(records, case, "ppl", r.ppl)
                 rec(records, case, "ppl_unfiltered_int4", r.ppl_dense)
                 rec(records, case, "ppl_increase_pct", 100 * (r.ppl / r.ppl_dense - 1))
-                rec(records, case, "kl", r.kl)
+                rec(records, case, "kl_nats", r.kl)
                 rec(records, case, "top1_agree", r.top1_agree)
                 rec(records, case, "nwindows", nq)
                 log(f"{case}: ppl {r.ppl:.3f} vs int4 unfiltered {r.ppl_dense:.3f} "

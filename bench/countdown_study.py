@@ -33,17 +33,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
-from _peers import C4, WIKI  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
+import benchlib
+from benchlib import C4, WIKI
 
 
 def log(*a):
@@ -275,9 +271,8 @@ def main(argv=None):
     ap.add_argument("--variants", default="oracle-topk,oracle-topk-w,oracle-thr-w")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--allocation", default="uniform", help="uniform | greedy | both")
-    ap.add_argument("--json", default=None, help="write {case, metric, ours, peer, theirs} records here")
-    ap.add_argument("--quick", action="store_true",
-                    help="2 windows, 8 x 256 calibration tokens, sparsity 0.7, two variants (~3 min)")
+    benchlib.add_common_args(ap, "2 windows, 8 x 256 calibration tokens, sparsity 0.7, two "
+                                 "variants (~3 min)")
     a = ap.parse_args(argv)
     if a.quick:
         a.nwindows, a.nsamples, a.sparsities = 2, 8, "0.7"
@@ -306,13 +301,11 @@ def main(argv=None):
             f"KL {r['kl']:.4f} top1 {r['top1_agree']:.3f} skipped {r['realised']:.3f} "
             f"recall {r['recall_top']:.3f}")
     if a.json:
-        from _peers import write_json_records
         units = {"ppl": "ppl", "ppl_dense": "ppl_dense", "ppl_increase_pct": "ppl_increase_pct",
                  "kl": "kl_nats", "top1_agree": "top1_agreement", "realised": "act_sparsity",
                  "recall_top": "recall_top"}
-        write_json_records(a.json, [{"case": n, "metric": units[k], "ours": float(v), "peer": None,
-                                     "theirs": None} for n, r in res.items() for k, v in r.items()])
-        log(f"wrote {a.json}")
+        benchlib.write_records(a.json, [benchlib.record(n, units[k], float(v))
+                                        for n, r in res.items() for k, v in r.items()])
     return res
 
 

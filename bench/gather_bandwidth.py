@@ -27,14 +27,11 @@ null. Finishes in well under a minute (``--quick`` is the same run with fewer re
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+import benchlib
 
 L, I, H = 30, 1536, 576
 
@@ -99,8 +96,7 @@ def measure(keep: float, threads: int, reps: int, seed: int = 0) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", help="write records here")
-    ap.add_argument("--quick", action="store_true", help="fewer repeats")
+    benchlib.add_common_args(ap, "fewer repeats (under a minute)")
     ap.add_argument("--keep", default="0.1,0.3,0.5", help="fractions of rows read")
     ap.add_argument("--threads", default="1,2")
     a = ap.parse_args(argv)
@@ -113,15 +109,12 @@ def main(argv=None):
             case = f"keep-{keep:g}-t{t}"
             for m, us in r.items():
                 ratio = us / r["dense"]
-                records.append({"case": case, "metric": f"{m}_us_per_layer", "ours": us,
-                                "peer": None, "theirs": None})
+                records.append(benchlib.record(case, f"{m}_us_per_layer", us))
                 if m != "dense":
-                    records.append({"case": case, "metric": f"{m}_ratio_to_dense", "ours": ratio,
-                                    "peer": None, "theirs": None})
+                    records.append(benchlib.record(case, f"{m}_ratio_to_dense", ratio))
                 print(f"{case:14s}{m:>14s}{us:10.1f}{ratio:10.2f}")
     if a.json:
-        from _peers import write_json_records
-        write_json_records(a.json, records)
+        benchlib.write_records(a.json, records)
     return records
 
 

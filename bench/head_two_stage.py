@@ -35,9 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import benchlib
+
 V, H = 49152, 576
 
 
@@ -120,8 +119,7 @@ def quality(checkpoint: str, nwin: int, Ks, gptq: bool) -> list[tuple[str, str, 
     from exporters.int4 import rtn_int
 
     model, tok = load_model(checkpoint)[:2]
-    wiki = ROOT.parent / "shared" / "data" / "wikitext2" / "wiki.test.raw"
-    ids = tok(wiki.read_text(), add_special_tokens=False)["input_ids"]
+    ids = tok(benchlib.WIKI.read_text(), add_special_tokens=False)["input_ids"]
     wins = [ids[i * 512:(i + 1) * 512] for i in range(nwin)]
 
     def hidden(batch):
@@ -139,8 +137,7 @@ def quality(checkpoint: str, nwin: int, Ks, gptq: bool) -> list[tuple[str, str, 
     rows = [("q8", "ppl", float(np.exp(n8.mean())))]
     tables = {"rtn": _dequant(rtn_int(W.numpy(), 4, 64))}
     if gptq:
-        c4 = ROOT.parent / "shared" / "data" / "c4" / "c4_validation_2k.parquet"
-        cal = build_calibration(tok, str(c4), nsamples=16, seqlen=512).input_ids
+        cal = build_calibration(tok, str(benchlib.C4), nsamples=16, seqlen=512).input_ids
         X = torch.cat(hidden(cal.tolist()))
         q, _ = gptq_quantize(W, X.T @ X / len(X), bits=4, group_size=64, act_order=True, static_groups=True)
         tables["gptq"] = q.dequantize().float().numpy()
@@ -187,9 +184,8 @@ def _split_rows(h, tgt, L8, P8, p8, tables, X, W, hots=(4096, 16384)):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", help="write the records here")
-    ap.add_argument("--quick", action="store_true", help="4 windows, K=64, no GPTQ table")
-    ap.add_argument("--checkpoint", default=str(ROOT / "runs" / "demo" / "checkpoint"),
+    benchlib.add_common_args(ap, "4 windows, K=64, no GPTQ table (~2 min)")
+    ap.add_argument("--checkpoint", default=str(benchlib.ROOT / "runs" / "demo" / "checkpoint"),
                     help="compressed checkpoint whose hidden states feed the head (default: the "
                          "one `make demo` writes; falls back to the dense model)")
     ap.add_argument("--windows", type=int, default=None, help="WikiText-2 windows (10; quick 4)")
@@ -202,17 +198,14 @@ def main(argv=None) -> int:
     print(f"{'case':<28}{'metric':<18}{'value':>10}")
     for t in a.threads:
         for name, ms in speed(t, Ks, 2 if a.quick else 3):
-            records.append({"case": f"head-{name}/t{t}", "metric": "ms_per_call", "ours": ms,
-                            "peer": None, "theirs": None})
+            records.append(benchlib.record(f"head-{name}/t{t}", "ms_per_call", ms))
             print(f"{'head-' + name + '/t' + str(t):<28}{'ms_per_call':<18}{ms:>10.3f}")
     for case, metric, v in quality(ck, a.windows or (4 if a.quick else 10), Ks, not a.quick):
-        records.append({"case": case, "metric": metric, "ours": v, "peer": None, "theirs": None})
+        records.append(benchlib.record(case, metric, v))
         print(f"{case:<28}{metric:<18}{v:>10.4f}")
     print(f"hidden states from {ck}; {time.perf_counter() - t0:.0f} s")
     if a.json:
-        from _peers import write_json_records
-        write_json_records(a.json, records)
-        print(f"wrote {a.json}")
+        benchlib.write_records(a.json, records)
     return 0
 
 

@@ -14,7 +14,11 @@ other session runs and the two halve each other's speed (2 threads read ~35 inst
 
 Records: ``case`` ``<export>/t<threads>``, metric ``decode_tok_s`` (ours: huge pages,
 peer ``4 KiB pages``: the same runtime with ``huge_pages=False``) and
-``decode_speedup_paired`` (ours only), plus ``huge_page_mb`` (MiB collapsed).
+``decode_speedup_paired`` (ours only), plus ``huge_page_mib`` (MiB collapsed).
+
+The export: ``--folder``, else the shipped ``default`` export cached under ``bench/.cache``
+(built if missing; 30+ min), or with ``--quick`` the data-free ``rtn-g32`` one (1-3 min)
+unless a current ``default`` is cached; the case name is the folder's, which says which.
 
 Usage::
 
@@ -30,13 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT = ROOT / "bench" / ".cache" / "smollm2-int4-default"
+import benchlib
 
 
 def lock_step(folder: Path, threads: int, prompt_len: int, new_tokens: int, rounds: int) -> dict:
     """Median step times (ms) of both sessions and the median paired ratio."""
-    sys.path.insert(0, str(ROOT))
     import runtime
 
     huge = runtime.load(folder, threads=threads, huge_pages=True)
@@ -68,18 +70,27 @@ def lock_step(folder: Path, threads: int, prompt_len: int, new_tokens: int, roun
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--folder", default=str(DEFAULT),
-                    help="int4 export (default: the one bench/compare_llamacpp.py caches)")
+    ap.add_argument("--folder", default=None,
+                    help="int4 export (default: our cached default export; quick: rtn-g32 "
+                         "unless default is cached)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1],
                     help="more than 1 is distorted by the other session's spinning workers")
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--quick", action="store_true", help="2 rounds of 64 tokens, 1 thread (~1 min)")
-    ap.add_argument("--json", help="write the records here")
+    benchlib.add_common_args(ap, "2 rounds of 64 tokens, 1 thread (~1 min, plus 1-3 min to "
+                                 "build the rtn-g32 export once)")
     a = ap.parse_args(argv)
-    folder = Path(a.folder)
+    if a.folder is None:
+        variant = benchlib.quick_variants()[-1] if a.quick else "default"
+        folder = benchlib.ours_folder(variant)
+        err = benchlib.ensure_ours(folder, print, variant)
+        if err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    else:
+        folder = Path(a.folder)
     if not (folder / "model.onnx").is_file():
-        print(f"error: {folder} is not an export; run bench/compare_llamacpp.py once (it caches one) "
-              "or pass --folder", file=sys.stderr)
+        print(f"error: {folder} is not an export (fix: pass an export folder to --folder)",
+              file=sys.stderr)
         return 2
     threads, rounds, new = ([1], 2, 64) if a.quick else (a.threads, a.rounds, 128)
     recs = []
@@ -88,16 +99,12 @@ def main(argv=None) -> int:
         case = f"{folder.name}/t{t}"
         print(f"{case}: huge pages {1e3 / r['huge_ms']:.1f} tok/s, 4 KiB pages {1e3 / r['small_ms']:.1f} "
               f"tok/s, paired speed-up {r['paired']:.3f}x ({r['huge_page_mb']:.0f} MiB collapsed)")
-        recs += [{"case": case, "metric": "decode_tok_s", "ours": 1e3 / r["huge_ms"],
-                  "peer": "4 KiB pages", "theirs": 1e3 / r["small_ms"]},
-                 {"case": case, "metric": "decode_speedup_paired", "ours": r["paired"],
-                  "peer": None, "theirs": None},
-                 {"case": case, "metric": "huge_page_mb", "ours": r["huge_page_mb"],
-                  "peer": None, "theirs": None}]
+        recs += [benchlib.record(case, "decode_tok_s", 1e3 / r["huge_ms"], peer="4 KiB pages",
+                                 theirs=1e3 / r["small_ms"]),
+                 benchlib.record(case, "decode_speedup_paired", r["paired"]),
+                 benchlib.record(case, "huge_page_mib", r["huge_page_mb"])]
     if a.json:
-        sys.path.insert(0, str(ROOT / "bench"))
-        from _peers import write_json_records
-        write_json_records(a.json, recs)
+        benchlib.write_records(a.json, recs)
     return 0
 
 

@@ -31,13 +31,13 @@ import argparse
 import math
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-ROOT = Path(__file__).resolve().parent.parent
+import benchlib
+
 OPSETS = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
 SHAPES = {"qk": (576, 768), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
           "head": (576, 49152)}
@@ -117,8 +117,7 @@ def gqa_session(nlayers: int, max_len: int, threads: int):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", help="write the records here")
-    ap.add_argument("--quick", action="store_true", help="fewer calls per figure (~1 min)")
+    benchlib.add_common_args(ap, "fewer calls per figure (~1 min)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--repeat", type=int, default=None, help="medians per figure (default 5, quick 2)")
     a = ap.parse_args(argv)
@@ -127,7 +126,7 @@ def main(argv=None) -> int:
     records = []
 
     def rec(case, metric, value):
-        records.append({"case": case, "metric": metric, "ours": value, "peer": None, "theirs": None})
+        records.append(benchlib.record(case, metric, value))
 
     rng = np.random.default_rng(1)
     print(f"onnxruntime {ort.__version__}; best of {repeat} medians of {calls} calls")
@@ -182,10 +181,7 @@ def main(argv=None) -> int:
             rec(f"gqa_ctx{ctx}/t{t}", "per_call_us", per * 1e6)
             print(f"{'ctx ' + str(ctx):<40}{per * 1e6:>12.1f}")
     if a.json:
-        sys.path.insert(0, str(ROOT / "bench"))
-        from _peers import write_json_records
-        write_json_records(a.json, records)
-        print(f"wrote {a.json}")
+        benchlib.write_records(a.json, records)
     return 0
 
 

@@ -28,7 +28,14 @@ Timing on this shared 2-core machine is noisy (other jobs run at the same time).
 Usage::
 
     .venv/bin/python bench/leank.py --json bench/results/leank.json
-    .venv/bin/python bench/leank.py --quick --json /tmp/leank_quick.json   # < 10 min
+    .venv/bin/python bench/leank.py --quick --json /tmp/leank_quick.json
+
+``--quick``: keep 1.0 / 0.3, 2 windows, 4 retrieval trials, no stress, fp32 runtime only,
+any cached mask reused. With no cached mask it learns a short one first (stage 1 with 8
+steps on one 2,048-token window, named so in its cache file): that, five fp32 exports
+(two dense, three LeanK) with their parity checks and 2,048-token decode timings make a
+first quick run on 2 cores take 10-20 minutes; later runs reuse masks, evaluations and
+exports (a few minutes). A cached result is marked by a ``note`` record.
 """
 
 from __future__ import annotations
@@ -36,19 +43,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
-from _peers import SHARED, WIKI  # noqa: E402
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import benchlib
+from benchlib import C4, WIKI
 
-CACHE = ROOT / "bench" / ".cache" / "leank"
+CACHE = benchlib.CACHE / "leank"
 
 
 def _log(*a):
@@ -76,10 +80,9 @@ class EvalCache:
             except ValueError:
                 pass
         self.data[key] = value
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1))
-        os.replace(tmp, self.path)
+        from runtime.files import atomic_write
+
+        atomic_write(self.path, json.dumps(self.data, indent=1))
 
 
 def mask_hash(mask) -> str:
@@ -100,7 +103,7 @@ def get_masks(model, tok, keeps, methods, args):
     CACHE.mkdir(parents=True, exist_ok=True)
     src = None
     if args.calib == "c4":
-        src = SHARED / "data" / "c4" / "c4_validation_2k.parquet"
+        src = C4
     calib = build_calibration(tok, src, nsamples=args.nsamples, seqlen=args.calib_seqlen, seed=0)
     name = (f"n{args.nsamples}_s{args.calib_seqlen}_st{args.steps}_q{args.train_queries}"
             f"_l1{args.l1:g}_{args.calib}")
@@ -158,7 +161,7 @@ def _onnx_ppl(model, tok, mask, seqlen, nwindows, sink, window, threads):
     with tempfile.TemporaryDirectory(prefix="leank-ppl-") as td:
         m = mask if mask is not None else LeanKMask.full(L, KV, D)
         exporters.export_onnx(model, tok, Path(td) / "m", precision="fp32", graph="fused",
-                              leank=m, leank_sink=sink, leank_window=window,
+                              variants=[("leank", {**m.to_dict(), "sink": sink, "window": window})],
                               max_length=seqlen, validate=False)
         sess = runtime.load(Path(td) / "m", threads=threads, max_length=seqlen)
         try:
@@ -250,9 +253,11 @@ def _export_matches(folder: Path, mask, args) -> bool:
     """Whether a cached LeanK export holds ``mask`` (keep1.0: the full mask) with this
     sink / window (a mask re-learned with another recipe must be re-exported)."""
     try:
-        lk = json.loads((folder / "edgeprune.json").read_text()).get("leank") or {}
+        meta = json.loads((folder / "edgeprune.json").read_text())
     except (OSError, ValueError):
         return False
+    # the record of the applied variant: "variants": {"leank": ...}, or older exports' "leank"
+    lk = (meta.get("variants") or {}).get("leank") or meta.get("leank") or {}
     if (lk.get("sink"), lk.get("window")) != (args.sink, args.window):
         return False
     if mask is None:
@@ -286,8 +291,9 @@ def runtime_records(model, tok, masks, order, by_name, args, rec) -> list:
             if not cached:
                 kw = {"graph": "plain" if name == "dense-plain" else "fused"}
                 if not name.startswith("dense"):
-                    kw = dict(leank=mask if mask is not None else LeanKMask.full(L, KV, D),
-                              leank_sink=args.sink, leank_window=args.window)
+                    m = mask if mask is not None else LeanKMask.full(L, KV, D)
+                    kw = dict(variants=[("leank", {**m.to_dict(), "sink": args.sink,
+                                                   "window": args.window})])
                 t0 = time.time()
                 r = exporters.export_onnx(model, tok, folder, precision=precision,
                                           max_length=ctx + 64, overwrite=True, **kw)
@@ -323,10 +329,8 @@ def runtime_records(model, tok, masks, order, by_name, args, rec) -> list:
 def main(argv=None):
     from edgeprune.leank import DEFAULT_ALIGNMENT, DEFAULT_SINK, DEFAULT_WINDOW
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--quick", action="store_true",
-                    help="keep 1.0/0.3 only, 2 windows, 4 retrieval trials, no stress, fp32 "
-                         "runtime only; reuses any cached mask (< 10 min)")
+    benchlib.add_common_args(ap, "keep 1.0/0.3 only, 2 windows, 4 retrieval trials, no stress, "
+                                 "fp32 runtime only; reuses any cached mask")
     ap.add_argument("--keeps", default="1.0,0.5,0.3,0.2")
     ap.add_argument("--methods", default="learned,magnitude")
     ap.add_argument("--phases", default="masks,ppl,stress,retrieval,runtime")
@@ -379,8 +383,9 @@ def main(argv=None):
     records = []
 
     def rec(case, metric, val, cached=False):
-        records.append({"case": case, "metric": metric, "ours": val, "peer": None,
-                        "theirs": None, **({"note": "cached"} if cached else {})})
+        records.append(benchlib.record(case, metric, val))
+        if cached:
+            records.append(benchlib.note_record(case, f"{metric}: reused from bench/.cache/leank"))
         _log(f"{case:22s} {metric:28s} {val if not isinstance(val, float) else round(val, 4)}"
              f"{'  (cached)' if cached else ''}")
 
@@ -479,9 +484,7 @@ def main(argv=None):
     if "runtime" in phases:
         records.extend(runtime_records(model, tok, masks, order, by_name, args, rec))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(records, indent=1))
-        _log(f"wrote {args.json} ({len(records)} records)")
+        benchlib.write_records(args.json, records)
     return records
 
 

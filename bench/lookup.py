@@ -22,6 +22,12 @@ Usage::
     .venv/bin/python bench/lookup.py --json bench/results/lookup.json
     .venv/bin/python bench/lookup.py --quick          # 1 round, 1 thread, 2 prompts per kind (~3 min)
 
+``--quick`` measures the data-free ``rtn-g32`` export (``benchlib.OURS_VARIANTS``; 1-3 min
+to build) unless a current copy of the shipped ``default`` export is cached, never
+building that one (30+ min); the case names then end in ``/rtn-g32``. The full run
+measures (and if needed builds) ``default``. Both need ``.venv-llamacpp`` (``make
+bench-peers``); the Q4_0 GGUF is re-quantized once from the shipped Q4_1.
+
 JSON records ``{"case", "metric", "ours", "peer", "theirs"}``: case ``KIND/tT``, metrics
 ``decode_tok_s`` (ours with lookup vs llama.cpp with lookup; the median over prompts of
 the median over rounds), ``plain_decode_tok_s`` (both without), ``lookup_speedup`` (each
@@ -39,11 +45,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
-
-from compare_llamacpp import (CACHE, PROMPT_TEXT, _spawn, _vm_hwm, ensure_llamacpp,  # noqa: E402
-                              llama_generate, llama_lookup_kwargs)
+import benchlib
+from compare_llamacpp import (CACHE, PEER, PROMPT_TEXT, _spawn, _vm_hwm, ensure_gguf,
+                              ensure_llamacpp, llama_generate, llama_lookup_kwargs)
 
 QUESTIONS = ["Explain why the sky is blue in two short paragraphs.",
              "What are three tips for staying focused while studying?",
@@ -54,10 +58,8 @@ QUESTIONS = ["Explain why the sky is blue in two short paragraphs.",
 def _paragraphs(n: int) -> list[str]:
     """``n`` WikiText-2 test paragraphs of 400-1,000 characters, the dataset's spacing
     around punctuation undone."""
-    from _peers import WIKI
-
     out = []
-    for line in WIKI.read_text(encoding="utf-8").splitlines():
+    for line in benchlib.WIKI.read_text(encoding="utf-8").splitlines():
         line = line.strip()
         if line.startswith("=") or not 400 <= len(line) <= 1000:
             continue
@@ -140,8 +142,8 @@ def worker_llamacpp(gguf: str, threads: int, gen_len: int, lookup: int, ids_json
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", help="write the records here")
-    ap.add_argument("--quick", action="store_true", help="1 round, 1 thread, 2 prompts per kind")
+    benchlib.add_common_args(ap, "1 round, 1 thread, 2 prompts per kind, the data-free rtn-g32 "
+                                 "export unless default is cached (~5 min)")
     ap.add_argument("--repeat", type=int, default=None, help="rounds (default 3, quick 1)")
     ap.add_argument("--threads", type=int, nargs="+", default=None, help="default 1 2 (quick 1)")
     ap.add_argument("--per-kind", type=int, default=None, help="prompts per kind (default 3, quick 2)")
@@ -158,21 +160,23 @@ def main(argv=None) -> int:
     repeat = a.repeat or (1 if a.quick else 3)
     threads = a.threads or ([1] if a.quick else [1, 2])
     per_kind = a.per_kind or (2 if a.quick else 3)
-    from _peers import ensure_ours, ours_folder
 
     def log(msg):
         print(msg, flush=True)
 
     t0 = time.perf_counter()
-    folder = ours_folder("default")
-    err = ensure_ours(folder, log, "default")
+    variant = benchlib.quick_variants()[-1] if a.quick else "default"
+    folder = benchlib.ours_folder(variant)
+    err = benchlib.ensure_ours(folder, log, variant)
     if err:
         log(f"our export failed: {err}")
         return 1
+    log(f"ours: {variant} = {benchlib.OURS_VARIANTS[variant]}")
+    sfx = "" if variant == "default" else f"/{variant}"     # the case names say which export
     py, peer_err = ensure_llamacpp(CACHE / "venv-build.log")
-    gguf = CACHE / "SmolLM2-135M-Instruct.Q4_0.gguf"
-    if py and not gguf.exists():
-        peer_err = f"{gguf} missing: run bench/compare_llamacpp.py once (it re-quantizes Q4_1 -> Q4_0)"
+    gguf = ensure_gguf(py, "q4_0", log)
+    if py and gguf is None:
+        peer_err = "no Q4_0 GGUF: re-quantizing the shipped Q4_1 failed (see above)"
     kinds = prompts(per_kind)
     ids = {k: _token_ids(str(folder), v) for k, v in kinds.items()}
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -216,7 +220,7 @@ def main(argv=None) -> int:
     print("\n" + hdr + "\n" + "-" * len(hdr))
     for t in threads:
         for kind in kinds:
-            case = f"{kind}/t{t}"
+            case = f"{kind}/t{t}{sfx}"
             op, ol = per_kind_median("ours", 0, t, kind), per_kind_median("ours", a.lookup, t, kind)
             tp, tl = per_kind_median("llama.cpp", 0, t, kind), per_kind_median("llama.cpp", a.lookup, t, kind)
             acc = acceptance(t, kind)
@@ -228,20 +232,18 @@ def main(argv=None) -> int:
             print(f"{case:<16}{f(op, 11)}{f(ol, 12)}{f(su_o, 9, '{:.2f}x')}{f(acc, 10, '{:.0%}')}"
                   f"{f(tp, 12)}{f(tl, 13)}{f(su_t, 9, '{:.2f}x')}"
                   f"{f(ol / tl if ol and tl else None, 19, '{:.2f}x')}")
-            extra = {} if tp is not None else {"error": peer_err or "not run"}
-            records += [
-                {"case": case, "metric": "decode_tok_s", "ours": ol, "peer": "llama.cpp", "theirs": tl, **extra},
-                {"case": case, "metric": "plain_decode_tok_s", "ours": op, "peer": "llama.cpp", "theirs": tp, **extra},
-                {"case": case, "metric": "lookup_speedup", "ours": su_o, "peer": "llama.cpp", "theirs": su_t, **extra},
-                {"case": case, "metric": "draft_acceptance", "ours": acc, "peer": None, "theirs": None},
-            ]
+            records += [benchlib.record(case, "decode_tok_s", ol, peer=PEER, theirs=tl),
+                        benchlib.record(case, "plain_decode_tok_s", op, peer=PEER, theirs=tp),
+                        benchlib.record(case, "lookup_speedup", su_o, peer=PEER, theirs=su_t),
+                        benchlib.record(case, "draft_acceptance", acc)]
+            if tp is None:
+                records.append(benchlib.error_record(case, peer_err or "not run", peer=PEER))
     print(f"\nup to {a.lookup} draft tokens, greedy, <= {a.gen_len} new tokens (eos honoured), "
           f"{per_kind} prompt(s) per kind, {repeat} round(s), medians; {time.perf_counter() - t0:.0f} s. "
-          "Shared machine: differences under 10-15% are noise.")
+          f"Shared machine: differences under 10-15% are noise. Ours: {variant} = "
+          f"{benchlib.OURS_VARIANTS[variant]}.")
     if a.json:
-        from _peers import write_json_records
-        write_json_records(a.json, records)
-        print(f"wrote {a.json}")
+        benchlib.write_records(a.json, records)
     return 0
 
 

@@ -1,11 +1,12 @@
 """A causal LM's decoder blocks and the calibration activations that flow through them.
 
 What :func:`edgeprune.engine.compress` runs the methods on: the blocks
-(:func:`find_decoder_blocks`); the inputs of block 0 (hidden states plus the keyword
-arguments the model passes its decoder layers: ``position_embeddings``,
-``attention_mask``, ``position_ids``...), captured with a pre-hook that stops the forward
-(:func:`capture_block_inputs`); one block's outputs as the next one's inputs
-(:func:`run_block`); per-linear input statistics gathered with forward hooks
+(:func:`find_decoder_blocks`); the inputs of block 0 and the keyword arguments the model
+passes each decoder layer (``position_embeddings``, ``attention_mask``,
+``position_ids``...; per layer, since Gemma 3's local and global layers get different
+ones), captured with hooks while the blocks are skipped (:func:`capture_block_inputs`);
+one block's outputs as the next one's inputs, with that block's own kwargs
+(:func:`run_block`, :class:`BlockBatch`); per-linear input statistics gathered with forward hooks
 (:class:`StatsCollector`; linears that read the same tensor, q/k/v and gate/up, share
 one); and the true-sequential order of a block's linears (:func:`sequential_groups`).
 
@@ -53,32 +54,83 @@ class _StopForward(Exception):
     pass
 
 
+class BlockBatch(list):
+    """One calibration batch as the blocks see it: ``[hidden, kwargs, tokmask]`` (a list,
+    so ``hidden, kwargs, tokmask = batch`` and ``block(batch[0], **batch[1])`` work) for
+    the block that ``hidden`` feeds.
+
+    Models whose layers differ get each block's own keyword arguments: Gemma 3 passes its
+    local (sliding-window) layers another attention mask and other rotary tables than its
+    global layers. :attr:`layer_kwargs` holds what the model passes every block (the same
+    objects for layers of one type, so nothing is copied); :meth:`advance` moves the batch
+    on to the next block's inputs.
+
+    Attributes:
+        layer_kwargs: ``[num_blocks]`` keyword-argument dicts.
+        block: index of the block ``self[0]`` feeds.
+    """
+
+    def __init__(self, hidden, layer_kwargs: list, tokmask):
+        super().__init__([hidden, layer_kwargs[0], tokmask])
+        self.layer_kwargs = layer_kwargs
+        self.block = 0
+
+    def advance(self, out) -> None:
+        """``out`` (block ``block``'s output) becomes the next block's input, with its kwargs."""
+        self[0] = out
+        self.block += 1
+        if self.block < len(self.layer_kwargs):
+            self[1] = self.layer_kwargs[self.block]
+
+
+def _own_kwargs(args, kwargs) -> tuple:
+    """``(hidden, kwargs)`` of a block call, without the cache (blocks run without one)."""
+    kwargs = dict(kwargs)
+    hidden = args[0] if args else kwargs.pop("hidden_states")
+    for k in ("past_key_values", "cache", "past_key_value"):
+        kwargs.pop(k, None)
+    kwargs["use_cache"] = False
+    return hidden, kwargs
+
+
 def capture_block_inputs(model, blocks, calib_ids, attention_mask, batch_size, device):
-    """Run the model up to block 0 on each batch of ``batch_size`` calibration windows.
+    """Run the model's forward to its decoder blocks on each batch of ``batch_size``
+    calibration windows and capture what it passes them.
+
+    Each block's keyword arguments are captured (attention mask, rotary
+    ``position_embeddings``, ``position_ids``...: Gemma 3's local and global layers get
+    different ones); the blocks themselves are skipped during the capture (their
+    ``forward`` returns its input), and the forward stops at the last block, so the
+    capture costs the embedding and the model's mask / rotary set-up only.
 
     Args:
         calib_ids: ``int64 [nsamples, seqlen]``; attention_mask: ``[nsamples, seqlen]`` or ``None``.
 
     Returns:
-        ``[[hidden [b, seqlen, hidden_size], kwargs, tokmask bool [b, seqlen]]]`` per batch
-        (padded positions of ``hidden`` zeroed); lists, so :func:`run_block` can replace
-        the hidden states in place.
+        one :class:`BlockBatch` ``[hidden [b, seqlen, hidden_size], kwargs, tokmask bool
+        [b, seqlen]]`` per batch, for block 0 (padded positions of ``hidden`` zeroed);
+        :func:`run_block` replaces the hidden states in place and moves each batch on to
+        the next block's kwargs.
 
     Raises:
-        UnsupportedArchitectureError: the forward never reached block 0.
+        UnsupportedArchitectureError: the forward never reached the blocks.
     """
-    captured = []
+    calls: list = []
+    last = len(blocks) - 1
 
-    def pre_hook(mod, args, kwargs):
-        kwargs = dict(kwargs)
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        for k in ("past_key_values", "cache", "past_key_value"):
-            kwargs.pop(k, None)
-        kwargs["use_cache"] = False
-        captured.append((hidden, kwargs))
-        raise _StopForward
+    def pre_hook(i):
+        def hook(mod, args, kwargs):
+            calls.append(_own_kwargs(args, kwargs))
+            if i == last:
+                raise _StopForward
+        return hook
 
-    h = blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
+    def skip(*args, **kwargs):         # a block's forward during the capture: its input
+        return args[0] if args else kwargs["hidden_states"]
+
+    hooks = [b.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    for b in blocks[:-1]:
+        b.forward = skip
     batches = []
     try:
         for b0 in range(0, calib_ids.shape[0], batch_size):
@@ -91,25 +143,30 @@ def capture_block_inputs(model, blocks, calib_ids, attention_mask, batch_size, d
                 tokmask = am.bool()
             else:
                 tokmask = torch.ones_like(ids, dtype=torch.bool)
+            calls.clear()
             try:
                 model(input_ids=ids, **kw)
             except _StopForward:
                 pass
-            if len(captured) != len(batches) + 1:
+            if len(calls) != len(blocks):
                 raise UnsupportedArchitectureError(
-                    "the model's forward never reached its first decoder block",
-                    "use a llama/qwen2-style causal LM")
-            hidden, kwargs = captured[-1]
+                    "the model's forward never reached its decoder blocks",
+                    "use a llama/qwen2/gemma3-style causal LM")
+            hidden = calls[0][0]
             if not bool(tokmask.all()):
                 hidden = hidden.masked_fill(~tokmask.unsqueeze(-1), 0.0)
-            batches.append([hidden, kwargs, tokmask])
+            batches.append(BlockBatch(hidden, [kwargs for _, kwargs in calls], tokmask))
     finally:
-        h.remove()
+        for h in hooks:
+            h.remove()
+        for b in blocks[:-1]:
+            del b.forward
     return batches
 
 
 def run_block(block, batches):
-    """Replace each batch's hidden states by the block's output.
+    """Replace each batch's hidden states by the block's output (a :class:`BlockBatch`
+    also moves on to the next block's kwargs).
 
     Padded positions are reset to zero so that nothing non-finite computed there (a
     fully masked attention row) can leak into real tokens through ``0 * NaN``.
@@ -119,7 +176,10 @@ def run_block(block, batches):
         out = out[0] if isinstance(out, (tuple, list)) else out
         if not bool(b[2].all()):
             out = out.masked_fill(~b[2].unsqueeze(-1), 0.0)
-        b[0] = out
+        if isinstance(b, BlockBatch):
+            b.advance(out)
+        else:
+            b[0] = out
 
 
 class StatsCollector:
@@ -261,5 +321,5 @@ def move_own_tensors(mod: nn.Module, device) -> None:
         setattr(mod, name, b.to(device))
 
 
-__all__ = ["find_decoder_blocks", "capture_block_inputs", "run_block", "StatsCollector", "sequential_groups",
-           "move_own_tensors"]
+__all__ = ["find_decoder_blocks", "capture_block_inputs", "run_block", "BlockBatch", "StatsCollector",
+           "sequential_groups", "move_own_tensors"]

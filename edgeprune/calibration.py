@@ -33,7 +33,9 @@ blank line into one token stream, which is cut into consecutive non-overlapping
 (never dropped), and no search waits for a single document of ``seqlen`` tokens, so a
 model with a 131k context can calibrate on ordinary text. ``nsamples`` windows are then
 drawn without replacement with ``torch.Generator().manual_seed(seed)``. ``seqlen`` is
-capped at :data:`MAX_SEQLEN` whatever the model's context length.
+capped at :data:`MAX_SEQLEN` whatever the model's context length. The stream's tail,
+shorter than one window, is not used: ``info["tail_tokens_unused"]`` counts it and
+:func:`describe` says so (the CLI prints that line).
 """
 
 from __future__ import annotations
@@ -291,7 +293,8 @@ def self_generated(model, tokenizer, *, nsamples: int = 128, seqlen: int = 512, 
     input_ids = torch.cat(out, 0).to(torch.long)
     info = dict(source=f"self:T={float(temperature):g}", sha256=hashlib.sha256(
         input_ids.numpy().tobytes()).hexdigest(), seed=seed, nsamples=nsamples, seqlen=seqlen,
-        tokens_read=int(input_ids.numel()), windows_available=nsamples)
+        tokens_read=int(input_ids.numel()), windows_available=nsamples,
+        tokens_used=int(input_ids.numel()), tail_tokens_unused=0)
     return CalibrationSet(input_ids, info)
 
 
@@ -340,8 +343,25 @@ def build_calibration(tokenizer, source: str | Path | None = None, *, nsamples: 
     pick = torch.randperm(nwin, generator=g)[:nsamples].sort().values
     text_hash = hashlib.sha256("\n\n".join(docs).encode()).hexdigest()
     info = dict(source=desc, sha256=text_hash, seed=seed, nsamples=nsamples, seqlen=seqlen,
-                tokens_read=len(ids), windows_available=nwin)
+                tokens_read=len(ids), windows_available=nwin, tokens_used=nsamples * seqlen,
+                tail_tokens_unused=len(ids) - nwin * seqlen)
     return CalibrationSet(windows[pick].clone(), info)
+
+
+def describe(info: dict) -> str:
+    """One line on a :class:`CalibrationSet`'s ``info``: windows, tokens used, the source,
+    and what of the text read was not used (the windows not drawn, and the stream's
+    tail, shorter than one window, that no window can hold)."""
+    n, L = info.get("nsamples"), info.get("seqlen")
+    line = f"calibration: {n} windows x {L} tokens = {n * L:,} tokens from {info.get('source')}"
+    avail, tail = info.get("windows_available"), info.get("tail_tokens_unused") or 0
+    unused = []
+    if avail is not None and avail > n:
+        unused.append(f"{avail - n} of {avail} windows not drawn (seed {info.get('seed')})")
+    if tail:
+        unused.append(f"the last {tail} token{'s' if tail != 1 else ''} read, "
+                      f"less than one window, unused")
+    return line + (f" ({'; '.join(unused)})" if unused else "")
 
 
 def get_calibration(tokenizer, source: str | Path | None = None, nsamples: int = 128,
@@ -353,6 +373,6 @@ def get_calibration(tokenizer, source: str | Path | None = None, nsamples: int =
                              **kwargs).input_ids
 
 
-__all__ = ["CalibrationSet", "build_calibration", "self_generated", "get_calibration", "default_documents",
+__all__ = ["CalibrationSet", "build_calibration", "describe", "self_generated", "get_calibration", "default_documents",
            "default_text", "load_documents", "read_text_file", "token_stream", "check_seqlen",
            "MAX_SEQLEN"]

@@ -19,6 +19,12 @@ Memory is bounded by one block's activations (``nsamples x seqlen x hidden``) pl
 block's Hessians. Padded positions (``attention_mask == 0``) and tokens whose activations
 are NaN/inf never enter a statistic.
 
+Nothing is downgraded silently: a layer whose method fell back to another (RTN,
+magnitude, AWQ without its scaling) is listed in :attr:`CompressionResult.fallbacks` and
+counted in one :class:`FallbackWarning`; a compressed model whose activations or logits
+stop being finite on the calibration windows fails the run, naming the layer
+(:mod:`edgeprune.finite`).
+
 The model is modified IN PLACE: every compressed linear holds its dense equivalent
 (masked weight, or dequantized fake-quant weight in the original dtype), so the PyTorch
 model evaluates exactly what is exported; the integer codes are in
@@ -27,7 +33,9 @@ model evaluates exactly what is exported; the integer codes are in
 
 from __future__ import annotations
 
+import re
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -37,13 +45,24 @@ from torch import nn
 from .blocks import (StatsCollector, capture_block_inputs, find_decoder_blocks, move_own_tensors, run_block,
                      sequential_groups)
 from .errors import CalibrationError, ConfigError, EdgePruneError
+from .finite import FiniteWatch
 from .models import check_device
 from .methods import config_classes, get_method
 from .methods.base import InputStats, LayerResult, LayerTask, relative_error
-from .methods.config import pattern_matches
+from .methods.config import check_group_size, pattern_matches
 from .methods.magnitude import Magnitude, MagnitudeConfig
 from .methods.rtn import RTN, RTNConfig
 from .recipe import Recipe, as_recipe
+
+
+#: A fallback note whose last step names the method that ran instead ("... -> RTN",
+#: "... -> magnitude", "... -> clip + RTN only"); "... -> damp x10 (4 tries)" is not one.
+_METHOD_CHANGE = re.compile(r"-> (RTN|magnitude|clip \+ RTN only)\b[^>]*$")
+
+
+class FallbackWarning(UserWarning):
+    """:func:`compress` applied another method than the recipe's to some layers (the one
+    line of :meth:`CompressionResult.fallback_summary`); the CLI prints it."""
 
 
 @dataclass
@@ -72,6 +91,31 @@ class CompressionResult:
     recipe: dict = field(default_factory=dict)
     calibration: dict = field(default_factory=dict)
 
+    def method_fallbacks(self) -> list[str]:
+        """The :attr:`fallbacks` that changed the method applied to a layer (the layer got
+        RTN, magnitude or AWQ without its scaling instead of what the recipe asked), as
+        opposed to notes that only report (excluded tokens, extra damping)."""
+        return [n for n in self.fallbacks if _METHOD_CHANGE.search(n)]
+
+    def fallback_summary(self, limit: int = 3) -> Optional[str]:
+        """One line on :meth:`method_fallbacks`: how many layers, grouped by what happened
+        (at most ``limit`` groups, each with one example layer); ``None`` when there are
+        none. :func:`compress` warns with it (:class:`FallbackWarning`)."""
+        changed = self.method_fallbacks()
+        if not changed:
+            return None
+        groups: dict[str, list[str]] = {}
+        for note in changed:
+            names, _, what = note.partition(": ")
+            groups.setdefault(what, []).extend(n.strip() for n in names.split(","))
+        n_layers = len({n for v in groups.values() for n in v})
+        total = len(self.quantized) + len(set(self.masks) - set(self.quantized))
+        parts = [f"{len(v)} x {what} (e.g. {v[0]})"
+                 for what, v in sorted(groups.items(), key=lambda kv: -len(kv[1]))[:limit]]
+        more = f"; {len(groups) - limit} more kinds" if len(groups) > limit else ""
+        return (f"{n_layers} of {total} compressed layers fell back to another method: "
+                + "; ".join(parts) + more + " (all in the summary's 'fallbacks')")
+
     def sparsity(self) -> dict:
         """Module name -> fraction of pruned weights."""
         return {n: 1.0 - float(m.float().mean()) for n, m in self.masks.items()}
@@ -99,6 +143,7 @@ class CompressionResult:
             "mean_layer_error": (sum(errs) / len(errs)) if errs else None,
             "layer_errors": {n: float(e) for n, e in self.layer_errors.items()},
             "fallbacks": list(self.fallbacks),
+            "method_fallbacks": self.method_fallbacks(),
         }
 
 
@@ -112,6 +157,10 @@ def _plan(recipe: Recipe, methods, prefix: str, blocks) -> list[list[tuple[int, 
     """
     plan = []
     any_target = False
+    every = [(f"{prefix}.{bi}.{n}", m) for bi, block in enumerate(blocks)
+             for n, m in block.named_modules() if isinstance(m, nn.Linear)]
+    for cfg in recipe.stages:       # a group_size hint that fits every layer a stage targets
+        check_group_size(cfg, [(n, m.in_features) for n, m in every if cfg.selects(n)])
     for bi, block in enumerate(blocks):
         linears = [(f"{prefix}.{bi}.{n}", m) for n, m in block.named_modules() if isinstance(m, nn.Linear)]
         history: dict[str, list] = {}
@@ -140,8 +189,7 @@ def _plan(recipe: Recipe, methods, prefix: str, blocks) -> list[list[tuple[int, 
     if not any_target:
         raise ConfigError("the recipe selects no linear layer of the model's decoder blocks",
                           "check the stages' targets/ignore patterns (e.g. targets = [\"q_proj\"])")
-    _check_patterns_match(recipe, [f"{prefix}.{bi}.{n}" for bi, block in enumerate(blocks)
-                                   for n, m in block.named_modules() if isinstance(m, nn.Linear)])
+    _check_patterns_match(recipe, [n for n, _ in every])
     return plan
 
 
@@ -223,7 +271,7 @@ def _baseline_results(cfg, tasks: list[LayerTask], why: str) -> dict[str, LayerR
 def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
              attention_mask: Optional[torch.Tensor] = None, device: str | torch.device = "cpu",
              progress: bool = True, batch_size: int = 8, measure_errors: bool = True,
-             error_tokens: int = 2048) -> CompressionResult:
+             error_tokens: int = 2048, check_finite: bool = True) -> CompressionResult:
     """Compress ``model`` in place with a recipe, block by block (sequential mode).
 
     Args:
@@ -244,6 +292,10 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
             calibration tokens seen by each layer (the same tokens for every method, so
             errors of different methods compare; methods that need a Hessian still use
             all tokens for compression).
+        check_finite: fail the run when the compressed model's activations or logits
+            stop being finite on a calibration window that was finite before
+            (:mod:`edgeprune.finite`; costs one more block forward). A data-free recipe
+            run without ``measure_errors`` makes no forward pass, so it is not checked.
 
     Returns:
         :class:`CompressionResult`.
@@ -253,6 +305,9 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
             before any weight changes); a ``device`` not available here.
         CalibrationError: empty or malformed calibration ids / mask, ids outside the
             model's vocabulary.
+        CompressionError: (``check_finite``) the compressed model's activations or logits
+            stop being finite, naming the layer where they stop (the model is left
+            compressed in place; nothing is saved by the caller).
         UnsupportedArchitectureError: decoder blocks not found.
 
     Numerical trouble in one layer (singular Hessian, NaN/zero activations, a method
@@ -301,6 +356,7 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
         moved = [m for m in model.modules() if id(m) not in in_blocks]
         for mod in moved:
             move_own_tensors(mod, device)
+    bar = None
     try:
         # data-free recipes (magnitude / RTN without error measurement) need no forward pass
         need_data = measure_errors or not all(m.data_free for m in methods)
@@ -308,7 +364,7 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
         if need_data:
             with torch.no_grad():
                 batches = capture_block_inputs(model, blocks, calib_ids, attention_mask, batch_size, device)
-        bar = None
+        watch = FiniteWatch(batches, next(model.parameters()).dtype) if check_finite and need_data else None
         if progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(blocks), desc="compress", unit="block", leave=True)
@@ -343,19 +399,27 @@ def compress(model: nn.Module, recipe, calib_ids: torch.Tensor, *,
                     He = st.error_hessian
                     if He is not None:
                         result.layer_errors[n] = relative_error(ref[n], modules[n].weight.detach().float(), He)
-            if need_data and bi < len(blocks) - 1:  # the last block's outputs feed nothing
+            if watch is not None:                  # outputs feed the next block, and are checked
+                with torch.no_grad():
+                    watch.run(block, f"{prefix}.{bi}", batches)
+            elif need_data and bi < len(blocks) - 1:  # the last block's outputs feed nothing
                 with torch.no_grad():
                     run_block(block, batches)
             block.to(blk_dev)
             if bar is not None:
                 bar.update(1)
-        if bar is not None:
-            bar.close()
+        if watch is not None:
+            watch.check_logits(model, prefix, batches)
     finally:
+        if bar is not None:           # also on an error: its line ends before the error's
+            bar.close()
         for mod in moved:
             move_own_tensors(mod, base_dev)
         model.train(was_training)
     result.seconds = time.perf_counter() - t0
+    line = result.fallback_summary()
+    if line:
+        warnings.warn(line, FallbackWarning, stacklevel=2)
     return result
 
 
@@ -423,4 +487,4 @@ def _write_back(task: LayerTask, r: LayerResult, result: CompressionResult) -> N
     result.fallbacks.extend(r.notes)
 
 
-__all__ = ["compress", "CompressionResult", "find_decoder_blocks"]
+__all__ = ["compress", "CompressionResult", "FallbackWarning", "find_decoder_blocks"]

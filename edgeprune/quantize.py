@@ -28,6 +28,9 @@ import torch
 from .errors import ConfigError
 
 SUPPORTED_BITS = (2, 3, 4, 8)
+#: group size of every quantizer's default (and of exports that quantize with RTN:
+#: ``exporters.int4.DEFAULT_GROUP_SIZE`` is the same 64)
+DEFAULT_GROUP_SIZE = 64
 
 
 def check_quant_args(bits: int, group_size: int, in_features: Optional[int] = None,
@@ -173,7 +176,7 @@ class QuantizedWeight:
         return (out * inp * self.bits + extra) / (out * inp)
 
 
-def rtn_quantize(w: torch.Tensor, bits: int = 4, group_size: int = 64, sym: bool = False,
+def rtn_quantize(w: torch.Tensor, bits: int = 4, group_size: int = DEFAULT_GROUP_SIZE, sym: bool = False,
                  clip: float | torch.Tensor = 1.0, *, pad_groups: bool = False,
                  name: str = "layer") -> QuantizedWeight:
     """Round-to-nearest group-wise quantization of ``w [out, in]``.
@@ -185,7 +188,9 @@ def rtn_quantize(w: torch.Tensor, bits: int = 4, group_size: int = 64, sym: bool
         pad_groups: allow a partial last group when ``group_size`` does not divide ``in``.
 
     Returns:
-        :class:`QuantizedWeight` with codes in the original column order.
+        :class:`QuantizedWeight` with codes in the original column order. With
+        ``clip=1`` the codes, scales and zero points equal numpy's
+        ``exporters.int4.rtn_int`` bit for bit (the export's RTN; a unit test checks it).
 
     Raises:
         ConfigError: bad ``bits``/``group_size`` (see :func:`check_quant_args`).
@@ -209,4 +214,4 @@ def rtn_quantize(w: torch.Tensor, bits: int = 4, group_size: int = 64, sym: bool
 
 
 __all__ = ["QuantizedWeight", "check_quant_args", "qparams", "quantize_codes",
-           "fake_quantize", "rtn_quantize", "SUPPORTED_BITS"]
+           "fake_quantize", "rtn_quantize", "SUPPORTED_BITS", "DEFAULT_GROUP_SIZE"]

@@ -4,9 +4,14 @@ COUNTDOWN (Cheon et al., EMNLP 2025) keeps, per token, only the MLP coefficients
 ``c_j = act(gate_j(x)) * up_j(x)`` whose filter score passes a per-layer threshold
 (M: ``|up(x) * f|`` with ``f [I]`` a static per-channel scale from calibration, or the
 paper's ``|up(x)|``; D: ``|act(x Vg Ug) * (x Vu Uu)|``, a low-rank predictor). This module
-turns a calibrated spec (``edgeprune.countdown.CountdownSpec``, duck-typed: ``mode``,
-``act_sparsity``, ``thresholds``, ``rank``, ``predictor_arrays(i)``, ``to_json()``) into
-the MLP blocks of the exported decoder.
+turns a calibrated spec (``edgeprune.countdown.CountdownSpec`` as a dict: ``mode``,
+``act_sparsity``, ``thresholds``, ``rank``, ``graph_mode``, ``stats``, and under
+``"arrays"`` the predictor tensors ``layers.{i}.{name}``) into the MLP blocks of the
+exported decoder: the builder mixin :class:`CountdownMixin`, registered as the graph
+variant ``"countdown"``::
+
+    exporters.export_onnx(model, tok, out, variants=[spec])                  # graph_mode "if"
+    exporters.export_onnx(model, tok, out, variants=[(spec, {"graph_mode": "sparse"})])
 
 Weight layout (so every selected unit is one *contiguous row*):
 
@@ -59,21 +64,14 @@ Every layer also emits its kept-row count; graph output ``countdown_kept int64 [
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import tempfile
-from pathlib import Path
-from typing import Optional
-
 import numpy as np
 from onnx import TensorProto, helper
 
-from runtime.errors import ExportError
+from runtime.errors import ExportError, UnsupportedArchitectureError
 
-from .decoder import BUILDERS
 from .graph import MS_DOMAIN, GraphBuilder
-from .int4 import rtn_int
+from .int4 import IntWeight, pack_uint4, rtn_int
+from .variants import VariantMixin, register_export_variant
 
 GRAPH_MODES = ("if", "sparse", "dense")
 KEPT_OUTPUT = "countdown_kept"
@@ -89,34 +87,74 @@ def _sub_builder(main: GraphBuilder) -> GraphBuilder:
     return sub
 
 
-def _pack_rows4(codes: np.ndarray) -> np.ndarray:
-    """``uint8 [N, K]`` 4-bit codes -> ``uint8 [N, K/2]`` (low nibble first)."""
-    N, K = codes.shape
-    if K % 2:
-        codes = np.concatenate([codes, np.zeros((N, 1), np.uint8)], 1)
-    return np.ascontiguousarray((codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8))
+def check_spec(spec: dict, model) -> str:
+    """Validate a COUNTDOWN spec dict against ``model``; returns the graph mode to build
+    (``"dense"`` when ``act_sparsity`` is 0: nothing to skip, same weight layout).
+
+    Raises:
+        ExportError: not a COUNTDOWN spec, a layer count that differs from the model's,
+            a D spec without predictors, an unknown ``graph_mode``.
+        UnsupportedArchitectureError: an MLP without gate/up/down projections.
+    """
+    for a in ("mode", "act_sparsity", "thresholds"):
+        if a not in spec:
+            raise ExportError(f"countdown spec lacks '{a}'",
+                              "pass edgeprune.countdown.calibrate(...)'s CountdownSpec, or a "
+                              "file from `edgeprune countdown`")
+    n = model.config.num_hidden_layers
+    if len(spec["thresholds"]) != n:
+        raise ExportError(f"countdown spec has {len(spec['thresholds'])} layers, the model {n}",
+                          "calibrate the spec on this model")
+    if spec["mode"] == "d" and float(spec["act_sparsity"]) > 0 and not predictor_arrays(spec, 0):
+        raise ExportError("D-COUNTDOWN spec without predictors", "calibrate with mode='d'")
+    mlp = model.model.layers[0].mlp
+    if not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj")):
+        raise UnsupportedArchitectureError(
+            f"{type(mlp).__name__} is not a gated MLP", "COUNTDOWN needs gate/up/down projections")
+    mode = spec.get("graph_mode") or "if"
+    if mode not in GRAPH_MODES:
+        raise ExportError(f"countdown graph_mode={mode!r} is unknown",
+                          f"use one of {', '.join(GRAPH_MODES)}")
+    return "dense" if float(spec["act_sparsity"]) == 0.0 else mode
 
 
-def _pack_zp4(zeros: np.ndarray) -> np.ndarray:
-    return _pack_rows4(zeros.astype(np.uint8))
+def predictor_arrays(spec: dict, i: int) -> dict:
+    """Layer ``i``'s predictor (D) or channel scale (M) arrays of a spec dict
+    (``spec["arrays"]["layers.{i}.{name}"]``) as ``{name: array}``."""
+    pre = f"layers.{i}."
+    return {k[len(pre):]: np.asarray(v) for k, v in (spec.get("arrays") or {}).items()
+            if k.startswith(pre)}
 
 
-class CountdownMixin:
-    """Overrides ``build_mlp`` of a decoder builder with the COUNTDOWN MLP.
+@register_export_variant("countdown")
+class CountdownMixin(VariantMixin):
+    """Builder mixin: the COUNTDOWN MLP (``build_mlp``) and the ``countdown_kept`` output.
 
-    Set ``countdown_spec`` and ``countdown_mode`` before ``build()``.
+    Its spec dict is ``edgeprune.countdown.CountdownSpec``'s (see the module docstring);
+    ``graph_mode`` (``"if"`` default, ``"sparse"``, ``"dense"``) picks the graph.
+
+    Raises:
+        ExportError: see :func:`check_spec`; int weights that are not 4-bit or use
+            act_order.
     """
 
-    countdown_spec = None
-    countdown_mode = "if"
-    last_built = None
     _cd_int_info = None
     _cd_block_size = None
+
+    def __init__(self, model, spec, opts):
+        super().__init__(model, spec, opts)
+        self.countdown_spec = opts.variants["countdown"]
+        self.countdown_mode = check_spec(self.countdown_spec, model)
+        self._cd_cond_name = None
+        self._cd_kept: list = []
+        # an always-sparse graph filters prefill too: its logits stand for the filtered
+        # model, not the given one, so export validation checks the graph but not them
+        self.logits_match_model = self.countdown_mode != "sparse"
 
     # ------------------------------------------------------------------ shared
     def _cd_cond(self) -> str:
         g = self.g
-        if getattr(self, "_cd_cond_name", None) is None:
+        if self._cd_cond_name is None:
             en = g.initializer(ENABLED_NAME, np.array(True))
             n = g.node("Size", ["input_ids"], name="countdown/tokens")          # B * S
             one = g.node("Equal", [n, g.const(1)], name="countdown/is_decode")
@@ -148,7 +186,7 @@ class CountdownMixin:
             return w
         for p in ("gate_proj", "up_proj"):
             iw = ints[p]
-            if p == "up_proj" and self.countdown_spec.mode == "m":
+            if p == "up_proj" and self.countdown_spec["mode"] == "m":
                 continue                      # M reads up in full (MatMulNBits)
             if iw.bits != 4:
                 raise ExportError(f"{pre}.{p}: COUNTDOWN int export supports 4-bit weights "
@@ -166,9 +204,9 @@ class CountdownMixin:
     def _cd_int_rows(self, iw, name: str) -> dict:
         g = self.g
         self._cd_block_size = int(iw.block_size)      # recorded: read reports price rows by it
-        return {"data": g.initializer(name + ".rows_q4", _pack_rows4(iw.codes)),
+        return {"data": g.initializer(name + ".rows_q4", pack_uint4(iw.codes)),
                 "scales": g.initializer(name + ".rows_scales", iw.scales.astype(self.fdtype)),
-                "zp": g.initializer(name + ".rows_zp", _pack_zp4(iw.zeros)),
+                "zp": g.initializer(name + ".rows_zp", pack_uint4(iw.zeros)),
                 "block_size": int(iw.block_size), "K": int(iw.K)}
 
     def _cd_rows(self, sb: GraphBuilder, w, idx: str, name: str) -> str:
@@ -187,7 +225,6 @@ class CountdownMixin:
         graph), with
         ``accuracy_level=0`` (fp32 activations) so it selects the same coefficients as
         the PyTorch reference (``edgeprune.countdown.predictor_score``)."""
-        from .int4 import IntWeight
         iw = IntWeight(codes=p[which + "_codes"].astype(np.uint8),
                        scales=p[which + "_scales"].astype(np.float32),
                        zeros=p[which + "_zeros"].astype(np.uint8), bits=4,
@@ -197,28 +234,21 @@ class CountdownMixin:
             # saving; the blocked DequantizeLinear path did not match the reference here)
             wt = np.ascontiguousarray(iw.dequantize().T.astype(self.fdtype))     # [H, I]
             return sb.matmul(x2, self.g.initializer(name + ".weight_t", wt), name=name)
-        saved_g, saved_acc = self.g, self.opts.accuracy_level
-        self.g, self.opts.accuracy_level = sb, 0
-        try:
-            return self._int_matmul(x2, iw, name)
-        finally:
-            self.g, self.opts.accuracy_level = saved_g, saved_acc
+        with self.building_into(sb):
+            return self.int_matmul(x2, iw, name, level=self._accuracy_level(name, default=0))
 
     # ------------------------------------------------------------------ branches
     def _cd_dense(self, sb: GraphBuilder, i: int, x2: str, w: dict) -> str:
         name = f"layers.{i}.mlp"
         pre = f"model.layers.{i}.mlp"
         if w["int"]:
-            saved, self.g = self.g, sb
-            try:
+            with self.building_into(sb):
                 gu = self.linear(x2, [f"{pre}.gate_proj", f"{pre}.up_proj"],
                                  name + ".gate_up_proj")
                 I = self.spec.intermediate_size
                 gate, up = sb.split(gu, [I, I], axis=-1, name=name + "/split")
                 c = sb.mul(sb.mul(gate, sb.node("Sigmoid", [gate])), up, name=name + "/gated")
                 return self.linear(c, [f"{pre}.down_proj"], name + ".down_proj")
-            finally:
-                self.g = saved
         gate = sb.node("Gemm", [x2, w["gate_proj"]], name=name + ".gate_proj", transB=1)
         up = sb.node("Gemm", [x2, w["up_proj"]], name=name + ".up_proj", transB=1)
         c = sb.mul(sb.mul(gate, sb.node("Sigmoid", [gate])), up, name=name + "/gated")
@@ -231,20 +261,17 @@ class CountdownMixin:
         per-token mask multiply are left out (the same result, four nodes fewer)."""
         spec = self.countdown_spec
         name = f"layers.{i}.mlp"
-        tau = float(spec.thresholds[i])
+        tau = float(spec["thresholds"][i])
         silu = lambda t, n: sb.mul(t, sb.node("Sigmoid", [t]), name=n)  # noqa: E731
         up_full = None
-        p = spec.predictor_arrays(i)
+        p = predictor_arrays(spec, i)
         ini = lambda k: self.g.initializer(f"{name}.countdown.{k}",  # noqa: E731
                                            p[k].astype(self.fdtype))
-        if spec.mode == "m" or not p:          # D at act_sparsity 0 has no predictor
+        if spec["mode"] == "m" or not p:       # D at act_sparsity 0 has no predictor
             if w["int"]:
-                saved, self.g = self.g, sb
-                try:
+                with self.building_into(sb):
                     up_full = self.linear(x2, [f"model.layers.{i}.mlp.up_proj"],
                                           name + ".up_proj")
-                finally:
-                    self.g = saved
             else:
                 up_full = sb.node("Gemm", [x2, w["up_proj"]], name=name + ".up_proj", transB=1)
             score = up_full
@@ -285,14 +312,6 @@ class CountdownMixin:
                       name=name + ".down_proj_sel")
         return y, kept
 
-    def build(self):
-        type(self).last_built = self
-        self._cd_kept = []
-        # an always-sparse graph filters prefill too: its logits stand for the filtered
-        # model, not the given one, so export validation checks the graph but not them
-        self.logits_match_model = self.countdown_mode != "sparse"
-        return super().build()
-
     # ------------------------------------------------------------------ block
     def build_mlp(self, i: int, layer, h: str) -> str:
         """COUNTDOWN MLP of layer ``i`` on ``h [B, S, H]`` -> ``[B, S, H]``."""
@@ -326,20 +345,22 @@ class CountdownMixin:
         self._cd_int_info = w.get("down_t_requant")
         return g.node("Reshape", [y, out_shape], name=name + "/unflatten")
 
-    def build_lm_head(self, h: str) -> str:
-        out = super().build_lm_head(h)
+    def build_extra_outputs(self) -> None:
+        """``countdown_kept int64 [L]``: the MLP rows each layer kept (after ``logits``)."""
+        super().build_extra_outputs()
         g = self.g
         g.node("Concat", list(self._cd_kept), outputs=[KEPT_OUTPUT], name="countdown/kept",
                axis=0)
         g.output(KEPT_OUTPUT, TensorProto.INT64, [self.spec.num_layers])
-        return out
 
-    def countdown_metadata(self) -> dict:
-        """The ``edgeprune.json`` ``countdown`` record."""
+    def variant_record(self) -> dict:
+        """The ``edgeprune.json`` record: the spec (without its arrays), the graph mode and
+        the weight layout the runtime's read report prices."""
         spec = self.countdown_spec
-        meta = dict(spec.to_json())
+        meta = {k: v for k, v in spec.items() if k != "arrays"}
         s = self.spec
-        H, I, r = s.hidden_size, s.intermediate_size, spec.rank or 0
+        H, I, r = s.hidden_size, s.intermediate_size, spec.get("rank") or 0
+        p0 = predictor_arrays(spec, 0)
         meta.update({
             "graph_mode": self.countdown_mode,
             "decode_path": "sparse" if self.countdown_mode in ("if", "sparse") else "dense",
@@ -355,89 +376,14 @@ class CountdownMixin:
                       "block_size": self._cd_block_size,
                       "down_t": self._cd_int_info or "n/a"} if self._cd_int_info else None),
             "mlp_rows_bytes_per_unit": {"gate": H, "up": H, "down": H},
-            "predictor_kind": getattr(spec, "predictor_kind", None),
-            "predictor_params_per_layer": (2 * (H * r + r * I)) if spec.mode == "d" and r else 0,
-            "predictor_bytes_per_layer": (spec.stats or {}).get("predictor_bytes_per_layer"),
-            "up_read_in_full": spec.mode == "m",
-            "channel_scale": bool(spec.mode == "m" and spec.predictor_arrays(0)
-                                  and "channel_scale" in spec.predictor_arrays(0)),
+            "predictor_kind": spec.get("predictor_kind"),
+            "predictor_params_per_layer": (2 * (H * r + r * I)) if spec["mode"] == "d" and r else 0,
+            "predictor_bytes_per_layer": (spec.get("stats") or {}).get("predictor_bytes_per_layer"),
+            "up_read_in_full": spec["mode"] == "m",
+            "channel_scale": bool(spec["mode"] == "m" and p0 and "channel_scale" in p0),
         })
         return meta
 
 
-@contextlib.contextmanager
-def countdown_builders(spec, graph_mode: str = "if"):
-    """Temporarily register COUNTDOWN subclasses of every decoder builder in ``BUILDERS``.
-
-    ``exporters.export_onnx`` then builds COUNTDOWN MLPs; the original classes are put
-    back on exit. Not thread-safe (one export at a time).
-    """
-    if graph_mode not in GRAPH_MODES:
-        raise ExportError(f"countdown graph_mode={graph_mode!r} is unknown",
-                          f"use one of {', '.join(GRAPH_MODES)}")
-    saved = dict(BUILDERS)
-    made = {}
-    try:
-        for arch, cls in saved.items():
-            made[arch] = type(f"Countdown{cls.__name__}", (CountdownMixin, cls),
-                              {"countdown_spec": spec, "countdown_mode": graph_mode})
-        BUILDERS.update(made)
-        yield made
-    finally:
-        BUILDERS.clear()
-        BUILDERS.update(saved)
-
-
-def _check_spec(spec, model) -> None:
-    for a in ("mode", "act_sparsity", "thresholds", "to_json"):
-        if not hasattr(spec, a):
-            raise ExportError(f"countdown spec lacks '{a}'",
-                              "pass edgeprune.countdown.calibrate(...)'s CountdownSpec")
-    n = model.config.num_hidden_layers
-    if len(spec.thresholds) != n:
-        raise ExportError(f"countdown spec has {len(spec.thresholds)} layers, the model {n}",
-                          "calibrate the spec on this model")
-    if spec.mode == "d" and float(spec.act_sparsity) > 0 and not spec.predictor_arrays(0):
-        raise ExportError("D-COUNTDOWN spec without predictors", "calibrate with mode='d'")
-    mlp = model.model.layers[0].mlp
-    if not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj")):
-        from runtime.errors import UnsupportedArchitectureError
-        raise UnsupportedArchitectureError(
-            f"{type(mlp).__name__} is not a gated MLP", "COUNTDOWN needs gate/up/down projections")
-
-
-def export_countdown(model, tokenizer, out_dir, spec, *, graph_mode: str = "if", **kwargs):
-    """``exporters.export_onnx`` with COUNTDOWN MLPs; writes ``edgeprune.json``'s
-    ``countdown`` record.
-
-    Args:
-        model, tokenizer, out_dir, **kwargs: as :func:`exporters.export_onnx`
-            (``precision``, ``quantized``, ``graph``...).
-        spec: a calibrated ``edgeprune.countdown.CountdownSpec`` (duck-typed).
-        graph_mode: ``"if"`` (sparse decode, dense prefill), ``"sparse"``, ``"dense"``.
-
-    Returns:
-        ``exporters.ExportResult`` (``metadata["countdown"]`` filled in).
-
-    Raises:
-        ExportError: bad spec / graph_mode, int weights that are not 4-bit or use
-            act_order; plus everything ``export_onnx`` raises.
-    """
-    from . import export_onnx
-    from .folder import write_json
-
-    _check_spec(spec, model)
-    if float(spec.act_sparsity) == 0.0 and graph_mode in GRAPH_MODES:
-        graph_mode = "dense"     # nothing to skip: same weight layout, no gathers
-    with countdown_builders(spec, graph_mode) as made:
-        res = export_onnx(model, tokenizer, out_dir, **kwargs)
-        b = made[model.config.model_type].last_built
-    meta = dict(res.metadata)
-    meta["countdown"] = b.countdown_metadata()
-    write_json(Path(res.folder) / "edgeprune.json", meta)
-    res.metadata = meta
-    return res
-
-
-__all__ = ["export_countdown", "countdown_builders", "CountdownMixin", "GRAPH_MODES",
-           "KEPT_OUTPUT", "ENABLED_NAME"]
+__all__ = ["CountdownMixin", "check_spec", "predictor_arrays", "GRAPH_MODES", "KEPT_OUTPUT",
+           "ENABLED_NAME"]

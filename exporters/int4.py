@@ -25,6 +25,9 @@ import numpy as np
 from runtime.errors import ExportError
 
 MATMULNBITS_BLOCKS = (256, 128, 64, 32, 16)
+#: RTN group size for weights quantized at export (the same 64 as
+#: ``edgeprune.quantize.DEFAULT_GROUP_SIZE`` and the CLI's ``--group-size``)
+DEFAULT_GROUP_SIZE = 64
 
 
 def _np(t) -> Optional[np.ndarray]:
@@ -145,17 +148,22 @@ def q8_head_block(K: int) -> int:
     return next((b for b in (128, 64) if K % b == 0), 32)
 
 
-def rtn_int(w: np.ndarray, bits: int = 4, group_size: int = 32, sym: bool = False) -> IntWeight:
+def rtn_int(w: np.ndarray, bits: int = 4, group_size: int = DEFAULT_GROUP_SIZE,
+            sym: bool = False) -> IntWeight:
     """Round-to-nearest group-wise quantization of ``w float [N, K]`` (numpy).
 
-    Same grid as ``edgeprune.quantize.rtn_quantize`` (GPTQ reference conventions):
+    The grid of ``edgeprune.quantize.rtn_quantize`` (GPTQ reference conventions), bit for
+    bit (codes, scales and zero points; ``tests/unit/test_export_int4.py`` checks it):
     asym ``scale = (max(w,0) - min(w,0)) / maxq``, ``zero = round(-min/scale)``;
-    sym ``scale = 2 max|w| / maxq``, ``zero = 2**(bits-1)``. A partial last group is
-    allowed (padded like ``MatMulNBits``). Used for heads/embeddings and for exports
-    given a dense model with ``precision="int4"`` and no ``quantized`` dict.
+    sym ``scale = 2 max|w| / maxq``, ``zero = 2**(bits-1)``. ``group_size=-1``: one group
+    per row. A partial last group is allowed (padded like ``MatMulNBits``). Used for
+    heads/embeddings and for exports given a dense model with ``precision="int4"`` and no
+    ``quantized`` dict.
     """
     w = np.asarray(w, dtype=np.float32)
     N, K = w.shape
+    if group_size == -1:
+        group_size = K
     maxq = 2 ** bits - 1
     nb = math.ceil(K / group_size)
     pad = np.zeros((N, nb * group_size), np.float32)
@@ -180,6 +188,17 @@ def rtn_int(w: np.ndarray, bits: int = 4, group_size: int = 32, sym: bool = Fals
                      bits=4 if bits <= 4 else 8, block_size=group_size, sym=sym)
 
 
+def pack_uint4(a: np.ndarray) -> np.ndarray:
+    """Two 4-bit codes per byte along the last axis, low nibble first (the layout of
+    ``MatMulNBits``, ``GatherBlockQuantized`` and ONNX ``UINT4`` tensors): ``uint8 [..., n]``
+    (values < 16) -> ``uint8 [..., ceil(n / 2)]``, an odd last axis padded with code 0.
+    Pass ``a.reshape(-1)`` for a tensor packed as one flat stream (ONNX ``UINT4``)."""
+    a = np.asarray(a).astype(np.uint8)
+    if a.shape[-1] % 2:
+        a = np.concatenate([a, np.zeros(a.shape[:-1] + (1,), np.uint8)], -1)
+    return np.ascontiguousarray(a[..., 0::2] | (a[..., 1::2] << 4))
+
+
 def pack_matmulnbits(w: IntWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(B uint8 [N, n_blocks, blob], scales float32 [N*n_blocks], zp uint8 [...])``.
 
@@ -190,12 +209,8 @@ def pack_matmulnbits(w: IntWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     full = np.repeat(w.zeros, bs, axis=1)[:, :nb * bs].copy()
     full[:, :K] = w.codes
     if w.bits == 4:
-        p = full.reshape(N, nb, bs // 2, 2)
-        B = (p[..., 0] | (p[..., 1] << 4)).astype(np.uint8)
-        zz = np.zeros((N, nb + (nb % 2)), np.uint8)
-        zz[:, :nb] = w.zeros
-        zz = zz.reshape(N, -1, 2)
-        zp = (zz[..., 0] | (zz[..., 1] << 4)).astype(np.uint8).reshape(-1)
+        B = pack_uint4(full.reshape(N, nb, bs))
+        zp = pack_uint4(w.zeros).reshape(-1)
     else:
         B = full.reshape(N, nb, bs)
         zp = w.zeros.reshape(-1)
@@ -233,5 +248,5 @@ def can_fuse(parts: list[IntWeight]) -> bool:
     return True
 
 
-__all__ = ["IntWeight", "from_quantized", "rtn_int", "pack_matmulnbits", "concat_n", "can_fuse",
-           "default_zero_points"]
+__all__ = ["IntWeight", "from_quantized", "rtn_int", "pack_uint4", "pack_matmulnbits", "concat_n",
+           "can_fuse", "default_zero_points", "DEFAULT_GROUP_SIZE"]

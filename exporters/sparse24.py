@@ -5,7 +5,8 @@ Sun et al. 2024) keeps at most 2 non-zeros in every group of 4 consecutive input
 channels of a linear weight ``W [out, in]``. The dense export keeps the zeros exactly
 (the graph is an ordinary dense graph; metadata records the pattern).
 
-Compact on-disk form (``compact_24=True``): each 2:4 weight is stored as
+Compact on-disk form (the graph variant ``"compact24"``, :class:`Compact24Mixin`:
+``export_onnx(..., variants=["compact24"])``): each 2:4 weight is stored as
 ``values float16 [out, in/2]`` (the kept entries, in column order) and
 ``positions uint8 [out, in/8]`` (the 2-bit position 0..3 of each kept entry inside its
 group, four per byte, low bits first). The graph expands them with standard ops
@@ -23,6 +24,8 @@ import numpy as np
 from onnx import TensorProto
 
 from runtime.errors import ExportError
+
+from .variants import VariantMixin, register_export_variant
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -96,28 +99,46 @@ def expand_24(values: np.ndarray, packed: np.ndarray, inp: int) -> np.ndarray:
     return w
 
 
-def enable_compact(builder) -> None:
-    """Make ``builder`` store its float 2:4 linears in the compact form.
+@register_export_variant("compact24")
+class Compact24Mixin(VariantMixin):
+    """Builder mixin: float 2:4 linears stored in the compact form (no spec; its dict is
+    empty). Every decoder linear must be exactly 2:4 (checked, recorded as ``sparsity``);
+    the 8-bit ``lm_head`` is the default (small-model quality). A weight that is 2:4
+    becomes ``values``/``positions`` initializers plus the expansion subgraph
+    (constant-folded by ONNX Runtime at load); other weights are unchanged.
 
-    Wraps ``builder._float_matmul``: a weight that is 2:4 becomes
-    ``values``/``positions`` initializers plus the expansion subgraph (constant-folded by
-    ONNX Runtime at load). Non-2:4 weights (embedding, norms) are unchanged.
+    Raises:
+        ExportError: a linear that is not 2:4 (:func:`check_24`).
     """
-    orig = builder._float_matmul
-    g = builder.g
 
-    def compact_matmul(x, W, name, module_names):
+    def __init__(self, model, spec, opts):
+        super().__init__(model, spec, opts)
+        self.sparsity_info = check_24(model)
+        self.approximate_logits = True        # fp16 values: logits match up to rounding
+        self.compact_24_layers: list[str] = []
+
+    def default_lm_head(self) -> str:
+        return "q8"
+
+    def variant_record(self) -> dict:
+        return {"format": "values float16 [out, in/2] + 2-bit positions uint8 [out, in/8], "
+                          "expanded by constant folding at load",
+                "layers": len(self.compact_24_layers)}
+
+    def float_matmul(self, x: str, W: np.ndarray, name: str, module_names: list[str]) -> str:
+        """``x @ W^T`` with a 2:4 ``W`` stored compact (others: the base storage)."""
         ok, _ = is_24(W)
         if not ok:
-            return orig(x, W, name, module_names)
+            return super().float_matmul(x, W, name, module_names)
+        g = self.g
         row = 0
         for m in module_names:
-            builder.quant_summary[m] = "2:4 compact fp16"
-            n_out = builder.modules[m].weight.shape[0]
+            self.quant_summary[m] = "2:4 compact fp16"
+            n_out = self.modules[m].weight.shape[0]
             # validation compares against the torch model with these fp16-rounded values
-            builder.int_weights[m] = Fp16Weight(W[row:row + n_out])
+            self.int_weights[m] = Fp16Weight(W[row:row + n_out])
             row += n_out
-        builder.compact_24_layers.append(name)
+        self.compact_24_layers.append(name)
         N, K = W.shape
         vals, packed = compress_24(W)
         v = g.initializer(name + ".values_24", vals)
@@ -132,12 +153,10 @@ def enable_compact(builder) -> None:
         cols = g.add(g.cast(pos, TensorProto.INT64),
                      g.const((np.arange(K // 2) // 2) * 4, np.int64, name="group_base"))
         zeros = g.node("ConstantOfShape", [g.const([N, K])], name=name + "/zeros",
-                       value=_zero_tensor(builder.ftype))
-        dense = g.node("ScatterElements", [zeros, cols, g.cast(v, builder.ftype)],
+                       value=_zero_tensor(self.ftype))
+        dense = g.node("ScatterElements", [zeros, cols, g.cast(v, self.ftype)],
                        name=name + "/expand", axis=1)
         return g.matmul(x, g.transpose(dense, [1, 0], name=name + "/wT"), name=name)
-
-    builder._float_matmul = compact_matmul
 
 
 class Fp16Weight:
@@ -158,4 +177,4 @@ def _zero_tensor(elem_type):
     return helper.make_tensor("zero", elem_type, [1], [0])
 
 
-__all__ = ["check_24", "is_24", "compress_24", "expand_24", "enable_compact", "LINEARS"]
+__all__ = ["check_24", "is_24", "compress_24", "expand_24", "Compact24Mixin", "LINEARS"]

@@ -61,8 +61,8 @@ class CountdownSession(Session):
         cd = variant_records(self.meta).get("countdown")
         if not cd:
             raise RuntimeLoadError(f"{self.folder} is not a COUNTDOWN export",
-                                   "export with exporters.countdown.export_countdown, or use "
-                                   "runtime.load")
+                                   "export one with `edgeprune countdown` + `edgeprune export --variant`, "
+                                   "or load this folder with runtime.load")
         return cd
 
     def _session_options(self) -> "ort.SessionOptions":

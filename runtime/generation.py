@@ -9,14 +9,19 @@ Fused graphs (``GroupQueryAttention``) keep one preallocated KV buffer per layer
 (``runtime.kv_cache.SharedKVCache``) bound with IOBinding once per generation, sized to
 the whole ``max_length`` when that is small (:data:`FULL_KV_BYTES`) or under
 ``"sliding_window"``, else to the call's requested length (prompt + ``max_new_tokens``,
-rounded up to :data:`KV_CHUNK` tokens), reused by later calls that fit and checked
-against the memory available (:func:`runtime.memory.check_memory`); each decode step
+rounded up to :data:`KV_CHUNK` tokens; a cached prefix is copied when they grow), reused
+by later calls that fit and checked against the memory available
+(:func:`runtime.memory.check_memory`); each decode step
 only rewrites a few preallocated numpy arrays (the next token, ``seqlens_k``,
 ``total_sequence_length``) that ONNX Runtime reads in place, and the logits land in a
 preallocated ``[B, 1, vocab]`` buffer: no per-step allocation proportional to the context.
 A batch is prefilled right-padded with per-row lengths (``seqlens_k``), which is exactly
 the per-row ragged cache GQA keeps, so padding is invisible to every row. Plain graphs
 use left padding with an attention mask and a growing concatenated cache.
+
+Prefix reuse between calls (``session.reuse_prefix = True``: the KV rows of the common
+prefix of the last generation and the next prompt are kept, only the rest is prefilled),
+freeing the buffers of unfinished generations, and forks: :mod:`runtime.kv_reuse`.
 
 Prompt-lookup speculative decoding (``generate(..., prompt_lookup_num_tokens=K)``, batch 1,
 fused graphs; :mod:`runtime.lookup`): draft tokens found earlier in the sequence are scored
@@ -38,6 +43,7 @@ import onnxruntime as ort
 from . import memory
 from .errors import GenerationError
 from .kv_cache import ConcatKVCache, SharedKVCache
+from .kv_reuse import KVReuse
 from .lookup import DraftController, find_draft
 from .sampling import Sampler
 
@@ -78,6 +84,8 @@ class GenerationResult:
         finish_reasons: ``"eos"``, ``"stop"`` or ``"length"`` per row.
         draft_tokens: prompt-lookup draft tokens scored (0 without prompt lookup).
         accepted_draft_tokens: of those, the ones the model's own choice confirmed.
+        cached_tokens: prompt tokens whose KV rows were kept from the previous generation
+            (prefix reuse; 0 when the whole prompt was prefilled).
     """
 
     texts: list
@@ -90,6 +98,7 @@ class GenerationResult:
     finish_reasons: list = field(default_factory=list)
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    cached_tokens: int = 0
 
     @property
     def text(self) -> str:
@@ -98,7 +107,7 @@ class GenerationResult:
 
 
 
-class GenerationLoop:
+class GenerationLoop(KVReuse):
     """The generation loop of :class:`runtime.session.Session` (a base class it derives from).
 
     It reads what ``Session.__init__`` sets: ``sess`` (the onnxruntime session), ``kv``
@@ -107,7 +116,7 @@ class GenerationLoop:
     ``eos_token_ids``, ``tokenizer``, ``_caches``, ``_lock``, ``_stream_thread`` and
     ``_closed``. Subclass hooks: ``_prefill(prompts, need) -> state`` and
     ``_decode_step(state, feed) -> logits [B, vocab]`` (a variant's own caches live in
-    its state dict), ``supports_prompt_lookup``.
+    its state dict), ``supports_prompt_lookup``, ``supports_prefix_reuse``.
     """
 
     #: whether ``generate(prompt_lookup_num_tokens=...)`` may run multi-token passes over
@@ -147,7 +156,7 @@ class GenerationLoop:
 
     def _free(self) -> None:
         """Drop the onnxruntime session and the KV buffers (idempotent)."""
-        self._caches.clear()
+        self.free_kv_cache()
         self.sess = None
 
     def _check_not_closed_mid_generation(self) -> None:
@@ -191,11 +200,18 @@ class GenerationLoop:
         """:meth:`_loop` under the session lock (held across the yields of a stream)."""
         me = threading.get_ident()
         self._acquire()
+        finished = False
+        gen = self._loop(prompts, max_new, sampler, stop, streaming, need, lookup)
         try:
             if streaming:
                 self._stream_thread = me
-            yield from self._loop(prompts, max_new, sampler, stop, streaming, need, lookup)
+            for item in gen:
+                finished = item[1]
+                yield item
         finally:
+            gen.close()
+            if not finished:        # closed / cancelled early, or failed: its KV rows go
+                self.free_kv_cache()
             if streaming:
                 self._stream_thread = None
             self._release()
@@ -219,8 +235,12 @@ class GenerationLoop:
         texts = [""] * B
         step_ms: list[float] = []
         t0 = time.perf_counter()
-        state = self._prefill(prompts, need)
+        try:
+            state = self._prefill(prompts, need)
+        finally:
+            self._kv_prefix = None      # the buffers' rows are this generation's from here on
         logits = state["logits"]
+        cached = int(state.get("cached_tokens", 0))
         t_prefill = time.perf_counter() - t0
         ttft = None
         t_dec0 = t_last = None    # decode time: from the first token to the last one kept
@@ -257,7 +277,7 @@ class GenerationLoop:
                 t_dec0 = t_last = time.perf_counter()
             if streaming:
                 yield self._result(prompts, gen, texts, ttft, t_prefill, (t_dec0, t_last), step_ms,
-                                   reasons, drafted, accepted), False
+                                   reasons, drafted, accepted, cached), False
             if all(done) or step == max_new - 1:
                 break
             if queued:          # confirmed by the last verification pass: no forward pass
@@ -286,8 +306,10 @@ class GenerationLoop:
             step_ms.append((time.perf_counter() - ts) * 1e3)
         if not stop:
             texts = [self.tokenizer.decode(g) for g in gen]
+        if B == 1 and self._prefix_reuse_on() and isinstance(state.get("cache"), SharedKVCache):
+            self._kv_prefix = (state["cache"], state["tokens"][0])
         yield self._result(prompts, gen, texts, ttft, t_prefill, (t_dec0, t_last), step_ms,
-                           reasons, drafted, accepted), True
+                           reasons, drafted, accepted, cached), True
 
     def _verify(self, st, fed: int, draft: np.ndarray, sampler: Sampler,
                 seen: list[int]) -> list[int]:
@@ -329,7 +351,7 @@ class GenerationLoop:
         return chosen
 
     def _result(self, prompts, gen, texts, ttft, t_prefill, t_dec, step_ms, reasons,
-                drafted=0, accepted=0):
+                drafted=0, accepted=0, cached=0):
         """The :class:`GenerationResult` of the tokens so far (timings in seconds in)."""
         # the pass that produced an end-of-sequence token (dropped) is not decode time
         dec_s = t_dec[1] - t_dec[0] if t_dec[0] is not None else 0.0
@@ -340,7 +362,7 @@ class GenerationLoop:
             prefill_tok_s=sum(len(p) for p in prompts) / max(t_prefill, 1e-9),
             decode_tok_s=(n_dec / dec_s) if (dec_s > 0 and n_dec > 0) else 0.0,
             step_ms=list(step_ms), finish_reasons=list(reasons), draft_tokens=drafted,
-            accepted_draft_tokens=accepted)
+            accepted_draft_tokens=accepted, cached_tokens=cached)
 
     # ------------------------------------------------------ prefill / decode
     def _cache(self, B: int, need: Optional[int] = None) -> SharedKVCache:
@@ -389,7 +411,11 @@ class GenerationLoop:
             logits = self._run_plain(ids, mask, pos, 1, cache)[:, -1]
             return {"logits": logits, "cache": cache, "mask": mask, "pos": pos[:, -1:].copy(),
                     "lens": lens.copy(), "tokens": [list(p) for p in prompts]}
+        old = self._caches.get(B)
         cache = self._cache(B, need)
+        if cache is not old:
+            self._move_prefix(prompts, old, cache)
+        start = self._reusable_rows(prompts, cache)
         ids = np.full((B, S), self.pad_token_id, np.int64)
         for b, p in enumerate(prompts):
             ids[b, :len(p)] = p
@@ -397,7 +423,10 @@ class GenerationLoop:
         # last `keep` positions so that every row's last real token is among them
         keep = int(S - lens.min() + 1)
         kept_bytes = B * keep * self.vocab_size * 4
-        if B > 1 and kept_bytes > PREFILL_LOGITS_BYTES and self.in_place_io:
+        if start:
+            # prefix reuse (batch 1): rows [0, start) are in the buffers; write the rest
+            logits = self._run_fused(ids[:, start:], lens - 1, S, 1, cache)[:, -1]
+        elif B > 1 and kept_bytes > PREFILL_LOGITS_BYTES and self.in_place_io:
             # rows of very different lengths: prefill each row alone into its row of the
             # buffers (keeps one position per row, not B x keep x vocab floats)
             logits = np.stack([self._run_fused(ids[b:b + 1, :int(lens[b])], np.array([lens[b] - 1], np.int32),
@@ -411,7 +440,8 @@ class GenerationLoop:
             idx = (lens - 1) - (S - keep)
             logits = out[np.arange(B), idx]
         # Decode-step state: preallocated inputs read in place by onnxruntime.
-        st = {"cache": cache, "lens": lens.copy(), "tokens": [list(p) for p in prompts]}
+        st = {"cache": cache, "lens": lens.copy(), "tokens": [list(p) for p in prompts],
+              "cached_tokens": start}
         st["ids"] = np.zeros((B, 1), np.int64)
         st["seqlens"] = np.zeros((B,), np.int32)
         st["total"] = np.zeros((), np.int32)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import GenerationError
+from .tokenizer import check_text
 
 
 def check_token_range(lo, hi, vocab_size: int) -> None:
@@ -36,12 +37,17 @@ def encode_prompts(tokenizer, prompt, chat: bool, vocab_size: int, max_length: i
         ``(rows, batched)``: a non-empty ``list[int]`` per row.
 
     Raises:
-        GenerationError: an empty prompt or row, a row neither text nor integer ids,
+        GenerationError: an empty prompt or row, a row neither text nor integer ids, text
+            that is not valid (a lone surrogate, a byte that was not UTF-8:
+            :func:`runtime.tokenizer.check_text`),
             ``chat`` with token ids, ids out of range, a row longer than ``max_length``
             under the ``"error"`` policy.
     """
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
         # one conversation: [{"role": ..., "content": ...}, ...] through the chat template
+        for i, m in enumerate(prompt):
+            if isinstance(m.get("content"), str):
+                check_text(m["content"], f"message {i}'s content")
         prompt = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
         chat = False
     if isinstance(prompt, str):
@@ -63,6 +69,7 @@ def encode_prompts(tokenizer, prompt, chat: bool, vocab_size: int, max_length: i
     out = []
     for row, p in enumerate(prompts):
         if isinstance(p, str):
+            check_text(p, f"prompt row {row}" if batched else "the prompt")
             if chat:
                 p = tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                                        add_generation_prompt=True)

@@ -28,7 +28,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import onnxruntime as ort
@@ -41,6 +41,7 @@ from .inputs import encode_prompts, logits_inputs
 from .kv_cache import ConcatKVCache, KVSpec, SharedKVCache
 from .lookup import check_lookup_args
 from .sampling import Sampler
+from .streaming import TextStream
 from .tokenizer import Tokenizer
 from .variants import session_class
 
@@ -140,10 +141,14 @@ class Session(GenerationLoop):
         so = self._session_options()
         data = self.folder / "model.onnx.data"
         want = self.meta.get("data_bytes")
+        if isinstance(want, int) and want > 0 and not data.is_file():
+            raise RuntimeLoadError(f"{data} is missing (the export wrote {want:,} bytes of weights "
+                                   "there)", "copy the whole folder again, or re-run `edgeprune export`")
         have = data.stat().st_size if isinstance(want, int) and data.is_file() else want
         if have != want:
-            raise RuntimeLoadError(f"{data} is truncated or altered ({have:,} bytes, "
-                                   f"the export wrote {want:,})",
+            raise RuntimeLoadError(f"{data} is truncated or altered ({have:,} bytes, the "
+                                   f"export wrote {want:,}), or edgeprune.json's data_bytes "
+                                   "was edited",
                                    "copy the folder again, or re-run `edgeprune export`")
         memory.small_page_cache(data, self.meta.get("row_read_ranges"))
         collapse = huge_pages and self.device == "cpu"
@@ -157,6 +162,10 @@ class Session(GenerationLoop):
         except RuntimeLoadError:
             raise
         except Exception as e:  # noqa: BLE001  (onnxruntime raises several types)
+            if not data.is_file() and "external data" in str(e).lower():   # exports without data_bytes
+                raise RuntimeLoadError(f"{data} is missing (model.onnx keeps its weights there)",
+                                       "copy the whole folder again, or re-run `edgeprune export`"
+                                       ) from e
             raise RuntimeLoadError(f"onnxruntime cannot load {self.folder / 'model.onnx'}: "
                                    f"{str(e).splitlines()[0][:600]}",
                                    "the file is corrupt or incomplete; re-run `edgeprune export`"
@@ -337,12 +346,14 @@ class Session(GenerationLoop):
                repetition_penalty: float = 1.0, stop: Optional[list] = None,
                seed: Optional[int] = None, chat: bool = False,
                prompt_lookup_num_tokens: int = 0,
-               max_matching_ngram_size: int = 2) -> Iterator[str]:
+               max_matching_ngram_size: int = 2) -> TextStream:
         """Yield text pieces as they are generated (one prompt, or one conversation as a
         list of ``{"role", "content"}`` messages). Same tokens as :meth:`generate` for the
         same arguments and seed. Arguments are checked at the call (same errors as
         :meth:`generate`); the session serves nothing else in this thread until the
-        iterator is exhausted or closed.
+        iterator is exhausted or closed. The returned :class:`runtime.streaming.TextStream`
+        tells afterwards why it ended (``finish_reason``: ``"eos"``, ``"stop"``,
+        ``"length"``, ``"cancelled"``) and holds the ``result`` (token counts, timings).
 
         Raises:
             GenerationError: a batch (use :meth:`generate`), or as :meth:`generate`.
@@ -353,31 +364,7 @@ class Session(GenerationLoop):
         gen, stop = self._iter(prompt, max_new_tokens, temperature, top_k, top_p,
                                repetition_penalty, stop, seed, chat, streaming=True,
                                lookup=(prompt_lookup_num_tokens, max_matching_ngram_size))
-        return self._stream_text(gen, stop)
-
-    def _stream_text(self, gen, stop: list[str]) -> Iterator[str]:
-        """The new text of each result of the loop ``gen``, held back while it may still
-        become the start of a ``stop`` string and cut before one."""
-        dec = self.tokenizer.incremental_decoder()
-        emitted, n = "", 0
-        hold = max((len(s) for s in stop), default=1) - 1
-        for res, final in gen:
-            ids = res.token_ids[0]
-            for t in ids[n:]:
-                dec.push(t)
-            n = len(ids)
-            if final:
-                dec.flush()
-            text = dec.text
-            if stop:
-                cut = min((text.find(s) for s in stop if s and s in text), default=-1)
-                if cut >= 0:
-                    text = text[:cut]
-                elif not final and hold:
-                    text = text[:max(len(emitted), len(text) - hold)]
-            if len(text) > len(emitted) and text.startswith(emitted):
-                yield text[len(emitted):]
-                emitted = text
+        return TextStream(gen, stop, self.tokenizer)
 
     def _iter(self, prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty,
               stop, seed, chat, streaming=False, lookup=(0, 2)):
@@ -402,8 +389,21 @@ class Session(GenerationLoop):
         if lookup[0]:
             self._check_lookup(len(prompts))
         # arguments are checked now (an error at the call, not at the first next())
-        return self._locked(prompts, int(max_new_tokens), sampler, stop, streaming, need,
-                            lookup), stop
+        return self._naming_files(self._locked(prompts, int(max_new_tokens), sampler, stop,
+                                               streaming, need, lookup)), stop
+
+    def _naming_files(self, gen):
+        """The loop ``gen``, its non-finite-logits error (the sampler's, which knows no
+        folder) naming the graph that produced them and what to do."""
+        try:
+            yield from gen
+        except GenerationError as e:
+            if not e.message.startswith("logits contain"):
+                raise
+            raise GenerationError(f"{e.message}: the graph {self.folder / 'model.onnx'} (weights "
+                                  "in model.onnx.data) produced them",
+                                  "its files are damaged, or an fp16 export overflows: copy the "
+                                  "folder again, or re-run `edgeprune export` (fp32 or int4)") from None
 
     # ---------------------------------------------------------------- close
     def close(self) -> None:
@@ -452,6 +452,9 @@ def _check_meta(meta: dict) -> None:
               "hidden_size"):
         if k in meta and meta[k] is not None and not (whole(meta[k]) and meta[k] >= 1):
             raise ValueError(f"field {k!r} = {meta[k]!r} is not a positive integer")
+    if "data_bytes" in meta and meta["data_bytes"] is not None and not (
+            whole(meta["data_bytes"]) and meta["data_bytes"] >= 0):
+        raise ValueError(f"field 'data_bytes' = {meta['data_bytes']!r} is not a byte count")
     eos = meta.get("eos_token_id")
     if eos is not None and not (whole(eos) or (isinstance(eos, list) and all(whole(e) for e in eos))):
         raise ValueError(f"field 'eos_token_id' = {eos!r} is not a token id or a list of them")

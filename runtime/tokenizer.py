@@ -7,7 +7,8 @@ tokens, cleanup flag, possibly the chat template) and optionally
 ``chat_template.jinja`` / ``generation_config.json``. :class:`Tokenizer` reproduces
 transformers' ``encode`` / ``decode`` / ``apply_chat_template`` on them, and
 :class:`IncrementalDecoder` turns a stream of token ids into text pieces whose
-concatenation equals ``decode`` of all ids (multi-token UTF-8 characters included).
+concatenation equals ``decode`` of all ids (multi-token UTF-8 characters included), over
+``tokenizers.decoders.DecodeStream``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 from runtime.errors import GenerationError, RuntimeLoadError
 
-__all__ = ["Tokenizer", "IncrementalDecoder", "clean_up_tokenization"]
+__all__ = ["Tokenizer", "IncrementalDecoder", "clean_up_tokenization", "check_text"]
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -32,6 +33,39 @@ def clean_up_tokenization(text: str) -> str:
             .replace(" 've", "'ve").replace(" 're", "'re"))
 
 
+def check_text(text: str, what: str = "the text") -> str:
+    """``text`` unchanged when the tokenizer can take it: a ``str`` whose characters are all
+    Unicode scalar values. A lone surrogate cannot be encoded as UTF-8 (``tokenizers``
+    fails with a bare ``TypeError``); one in ``U+DC80..U+DCFF`` is a byte that was not
+    UTF-8, smuggled in by Python's ``surrogateescape`` (a command-line argument or file
+    name in another encoding).
+
+    Args:
+        text: the string to check.
+        what: how the message names it (``"the prompt"``, ``"prompt row 2"``).
+
+    Raises:
+        GenerationError: ``text`` is not a ``str``, or holds a lone surrogate; the message
+            gives its position.
+    """
+    if not isinstance(text, str):
+        raise GenerationError(f"{what} must be a str, got {type(text).__name__}", "pass a string prompt")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        if 0xDC80 <= code <= 0xDCFF:
+            raise GenerationError(f"{what} is not UTF-8 text: it holds the byte 0x{code - 0xDC00:02x} "
+                                  f"(character {e.start})",
+                                  "pass UTF-8 text (on a command line: a UTF-8 terminal and locale, "
+                                  "or re-encode the file the text came from)") from None
+        raise GenerationError(f"{what} is not valid text: it holds the lone surrogate U+{code:04X} "
+                              f"(character {e.start})",
+                              "pass a str of whole characters (decode bytes with "
+                              ".decode('utf-8', errors='replace'))") from None
+    return text
+
+
 def _token_text(v: Any) -> str | None:
     """A special token in tokenizer_config.json is a string or an AddedToken dict."""
     if v is None:
@@ -39,6 +73,39 @@ def _token_text(v: Any) -> str | None:
     if isinstance(v, dict):
         return v.get("content")
     return str(v)
+
+
+def _check_side_fields(folder: Path, config: dict, gen: dict | None, template) -> None:
+    """Types of the fields :class:`Tokenizer` reads from ``tokenizer_config.json``,
+    ``generation_config.json`` and the chat template files (a damaged or hand-edited file
+    gives one clear error naming it, not a TypeError in a later call).
+
+    Raises:
+        RuntimeLoadError: naming the file and the field.
+    """
+    def bad(name, field, v, want):
+        return RuntimeLoadError(f"{folder / name}: field {field!r} = {str(v)[:80]!r} is not {want}",
+                                "re-export the folder; the file is corrupt or was edited")
+
+    for key in _SPECIAL_KEYS:
+        v = config.get(key)
+        if v is not None and not isinstance(v, str) and not (
+                isinstance(v, dict) and isinstance(v.get("content"), str)):
+            raise bad("tokenizer_config.json", key, v, "a token string or an AddedToken object")
+    ct = config.get("chat_template")
+    if ct is not None and not isinstance(ct, str) and not (isinstance(ct, list) and all(
+            isinstance(t, dict) and isinstance(t.get("template"), (str, type(None))) for t in ct)):
+        raise bad("tokenizer_config.json", "chat_template", ct, "a template string or a list of "
+                  "{name, template} objects")
+    if template is not None and not isinstance(template, str):
+        raise bad("chat_template.json", "chat_template", template, "a template string")
+    eos = (gen or {}).get("eos_token_id")
+    if eos is not None and not (_whole(eos) or (isinstance(eos, list) and all(_whole(e) for e in eos))):
+        raise bad("generation_config.json", "eos_token_id", eos, "a token id or a list of them")
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 class Tokenizer:
@@ -112,21 +179,35 @@ class Tokenizer:
             if not p.is_file():
                 return None
             try:
-                return json.loads(p.read_text(encoding="utf-8"))
+                data = json.loads(p.read_text(encoding="utf-8"))
             except (OSError, ValueError) as e:
                 raise RuntimeLoadError(f"cannot read {p}: {e}", "re-export the folder; the file is corrupt") from e
+            if not isinstance(data, dict):
+                raise RuntimeLoadError(f"cannot read {p}: a JSON object expected, found "
+                                       f"{type(data).__name__}", "re-export the folder; the file is corrupt")
+            return data
 
         config = _json("tokenizer_config.json") or {}
         gen = _json("generation_config.json")
         template = None
         tp = folder / "chat_template.jinja"
-        if tp.is_file():
-            template = tp.read_text(encoding="utf-8")
-        elif (folder / "chat_template.json").is_file():
-            template = (_json("chat_template.json") or {}).get("chat_template")
+        try:
+            if tp.is_file():
+                template = tp.read_text(encoding="utf-8")
+            elif (folder / "chat_template.json").is_file():
+                tp = folder / "chat_template.json"
+                template = (_json("chat_template.json") or {}).get("chat_template")
+        except (OSError, ValueError) as e:       # UnicodeDecodeError is a ValueError
+            raise RuntimeLoadError(f"cannot read {tp}: {e}", "re-export the folder; the file is corrupt") from e
+        _check_side_fields(folder, config, gen, template)
         return cls(backend, config, template, gen)
 
     # -- basic API ---------------------------------------------------------------------------
+
+    @property
+    def backend(self):
+        """The underlying ``tokenizers.Tokenizer`` (its decoder pipeline drives streaming)."""
+        return self._tok
 
     @property
     def vocab_size(self) -> int:
@@ -153,15 +234,19 @@ class Tokenizer:
                 because chat templates already contain the special tokens).
 
         Raises:
-            GenerationError: ``text`` is not a string.
+            GenerationError: ``text`` is not a string, or not valid text (:func:`check_text`).
         """
-        if not isinstance(text, str):
-            raise GenerationError(f"text to encode must be a str, got {type(text).__name__}",
-                                  "pass a string prompt")
+        check_text(text, "text to encode")
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
-        """:meth:`encode` for several strings (no padding)."""
+        """:meth:`encode` for several strings (no padding).
+
+        Raises:
+            GenerationError: a string that :func:`check_text` refuses.
+        """
+        for i, t in enumerate(texts):
+            check_text(t, f"text {i} to encode")
         return [list(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
@@ -250,46 +335,54 @@ class Tokenizer:
 
 
 class IncrementalDecoder:
-    """Streams text from token ids, one token at a time.
+    """Streams text from token ids, one token at a time, over ``tokenizers``' own
+    streaming decoder (:class:`tokenizers.decoders.DecodeStream`).
 
     Byte-level BPE (GPT-2 style) splits one UTF-8 character (emoji, CJK) across
     several tokens, and SentencePiece-style decoders strip a leading space only at
-    the start of a text; decoding token by token is therefore wrong. This keeps a
-    short window of ids: each :meth:`push` decodes ``ids[prefix:]`` and
-    ``ids[prefix:read]`` and emits the difference, holding text back while it ends in
-    an incomplete character (U+FFFD) (the scheme of Hugging Face TGI / vLLM's
-    ``detokenize_incrementally``). :meth:`flush` emits what is still held back.
+    the start of a text; decoding token by token is therefore wrong. ``DecodeStream``
+    keeps a short window of ids, decodes it with the tokenizer's decoder pipeline and
+    emits the new text once it ends in a complete character (the scheme of Hugging Face
+    TGI / vLLM's ``detokenize_incrementally``). :meth:`flush` emits what is still held
+    back (an incomplete character at the end of the stream), from one full decode.
 
-    Invariant: ``"".join(pieces) + flush() == tokenizer.decode(all_ids)``.
+    Invariant: ``"".join(pieces) + flush() == tokenizer.decode(all_ids)`` (for folders
+    whose ``clean_up_tokenization_spaces`` applies, each piece is cleaned up on its own:
+    a space and the punctuation after it in two different pieces stay apart).
 
     Args:
-        tokenizer: a :class:`Tokenizer` (or any object with ``decode(ids, skip_special_tokens)``).
+        tokenizer: a :class:`Tokenizer`.
         skip_special_tokens: as in ``decode``.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self._prefix = 0   # start of the decode window
         self._read = 0     # ids[:read] have been emitted
         self._emitted: list[str] = []
+        self._stream = self._new_stream()
 
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+    def _new_stream(self):
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(skip_special_tokens=self.skip_special_tokens)
+
+    def _emit(self, piece: str) -> str:
+        if self.tokenizer.clean_up_tokenization_spaces:
+            piece = clean_up_tokenization(piece)
+        if piece:
+            self._emitted.append(piece)
+        return piece
 
     def push(self, token_id: int) -> str:
         """Add one id; return the newly completed text (possibly ``""``)."""
         self.ids.append(int(token_id))
-        prefix_text = self._decode(self.ids[self._prefix:self._read])
-        new_text = self._decode(self.ids[self._prefix:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd") \
-                and new_text.startswith(prefix_text):
-            piece = new_text[len(prefix_text):]
-            self._prefix, self._read = self._read, len(self.ids)
-            self._emitted.append(piece)
-            return piece
-        return ""
+        piece = self._stream.step(self.tokenizer.backend, int(token_id))
+        if piece is None:
+            return ""
+        self._read = len(self.ids)
+        return self._emit(piece)
 
     def push_many(self, token_ids: Iterable[int]) -> str:
         """Push several ids; return the concatenated pieces."""
@@ -299,11 +392,12 @@ class IncrementalDecoder:
         """Emit any text held back (e.g. an incomplete character at the end of the stream)."""
         if self._read >= len(self.ids):
             return ""
-        # One full decode at the end keeps the invariant even if a window decode was odd.
-        full = self._decode(self.ids)
+        # One full decode at the end keeps the invariant for the held-back tail.
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         done = self.text
         piece = full[len(done):] if full.startswith(done) else ""
-        self._prefix = self._read = len(self.ids)
+        self._read = len(self.ids)
+        self._stream = self._new_stream()     # a later push starts a fresh window
         if piece:
             self._emitted.append(piece)
         return piece
@@ -316,5 +410,6 @@ class IncrementalDecoder:
     def reset(self) -> None:
         """Forget every id (start a new stream)."""
         self.ids.clear()
-        self._prefix = self._read = 0
+        self._read = 0
         self._emitted.clear()
+        self._stream = self._new_stream()

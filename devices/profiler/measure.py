@@ -3,7 +3,9 @@ its RSS watchdog, and whether a GPU can run here.
 
 :func:`run_worker` starts ``python -m devices.profiler --worker CFG OUT`` (or measures in
 this process), so peak RSS is what an app embedding the runtime would see, not the
-caller's torch. :class:`RSSWatch` samples the RSS against the profile's budget and stops
+caller's torch. The worker dies with the profiler (:func:`die_with_parent`), and the
+folders of profilers killed before they could clean up are removed by the next run
+(:func:`remove_stale_workdirs`). :class:`RSSWatch` samples the RSS against the profile's budget and stops
 the worker the moment it goes over (:data:`BUDGET_EXIT`).
 """
 
@@ -11,22 +13,29 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
 from runtime.errors import DeviceError, GenerationError, RuntimeLoadError
+from runtime.files import pid_alive
 
 MiB = 1024 * 1024
 #: decode tokens generated at every context length of a sweep
 SWEEP_NEW_TOKENS = 16
 #: the isolated worker's exit code when its RSS went over the budget
 BUDGET_EXIT = 3
+#: the isolated worker's exit code when its parent (the profiler) was gone
+PARENT_GONE_EXIT = 4
+#: the worker's temporary folder: ``edgeprune-profile-<profiler pid>-*`` in the temp folder
+WORKDIR_PREFIX = "edgeprune-profile-"
 _PROMPT_TEXT = (
     "Small language models can run on phones, laptops and single-board computers when their "
     "weights are pruned and quantized. The runtime streams the weights from memory once per "
@@ -228,8 +237,9 @@ def run_worker(cfg: dict, isolate: bool, timeout: float) -> dict:
     """
     if not isolate:
         return measure_export(cfg)
-    with tempfile.TemporaryDirectory(prefix="edgeprune-profile-") as td:
-        cfg = dict(cfg, status_path=str(Path(td) / "status.json"))
+    remove_stale_workdirs()
+    with tempfile.TemporaryDirectory(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-") as td:
+        cfg = dict(cfg, status_path=str(Path(td) / "status.json"), parent_pid=os.getpid())
         cfg_path, out_path = Path(td) / "cfg.json", Path(td) / "out.json"
         cfg_path.write_text(json.dumps(cfg))
         env = dict(os.environ)
@@ -256,11 +266,48 @@ def run_worker(cfg: dict, isolate: bool, timeout: float) -> dict:
         return json.loads(out_path.read_text())
 
 
+def remove_stale_workdirs(root: Optional[Path] = None) -> list[Path]:
+    """Remove the worker folders (``edgeprune-profile-PID-*`` in the temp folder, or
+    ``root``) of profiler processes that are gone (killed before they could clean up);
+    only this user's. Returns what was removed."""
+    root = Path(root or tempfile.gettempdir())
+    gone = []
+    for p in root.glob(f"{WORKDIR_PREFIX}*"):
+        pid = p.name[len(WORKDIR_PREFIX):].split("-", 1)[0]
+        try:
+            mine = p.is_dir() and not p.is_symlink() and p.stat().st_uid == os.getuid()
+        except (OSError, AttributeError):
+            continue
+        if mine and pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone
+
+
+def die_with_parent(parent_pid: int, workdir: Path, interval: float = 0.1) -> threading.Thread:
+    """Start a daemon thread that ends this (worker) process, after removing ``workdir``,
+    as soon as its parent ``parent_pid`` is gone (killed, even with SIGKILL): a killed
+    ``edgeprune profile`` leaves no worker measuring on and no folder behind.
+    Exit code :data:`PARENT_GONE_EXIT`."""
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(interval)
+        shutil.rmtree(workdir, ignore_errors=True)
+        os._exit(PARENT_GONE_EXIT)
+
+    t = threading.Thread(target=watch, name="die-with-parent", daemon=True)
+    t.start()
+    return t
+
+
 def worker_main(argv: list[str]) -> int:
     """The worker process: ``argv = [CFG.json, OUT.json]``; writes the figures (or the
-    error's class, message and hint) to ``OUT.json``; returns the exit code."""
+    error's class, message and hint) to ``OUT.json``; returns the exit code. It ends with
+    its parent (:func:`die_with_parent`)."""
     cfg_path, out_path = argv
     cfg = json.loads(Path(cfg_path).read_text())
+    if cfg.get("parent_pid"):
+        die_with_parent(int(cfg["parent_pid"]), Path(cfg_path).parent)
     try:
         res = measure_export(cfg)
     except (GenerationError, RuntimeLoadError, DeviceError) as e:
@@ -271,4 +318,5 @@ def worker_main(argv: list[str]) -> int:
 
 
 __all__ = ["RSSWatch", "run_worker", "measure_export", "worker_main", "gpu_availability", "budget_error",
-           "SWEEP_NEW_TOKENS", "BUDGET_EXIT"]
+           "remove_stale_workdirs", "die_with_parent", "SWEEP_NEW_TOKENS", "BUDGET_EXIT",
+           "PARENT_GONE_EXIT", "WORKDIR_PREFIX"]

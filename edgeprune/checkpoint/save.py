@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Optional
@@ -18,6 +19,9 @@ from .format import (CHECKPOINT_JSON, FORMATS, MASKS_FILE, QPARAMS_FILE, WEIGHTS
 from .pack import pack_int32, pack_mask
 from .record import checkpoint_record, config_section, run_id, sparsity_config
 
+#: Config keys that point transformers at the source folder's own Python code
+#: (``trust_remote_code``): the checkpoint holds no such code, so they are not copied.
+REMOTE_CODE_KEYS = ("auto_map", "custom_pipelines")
 #: compressed-tensors layouts of asymmetric layers (``save_checkpoint(asym_layout=...)``).
 ASYM_LAYOUTS = ("pack-quantized", "naive-quantized")
 
@@ -213,9 +217,10 @@ def _quantization_config(groups: dict[tuple, list[str]], sparsity: dict) -> dict
 def _hf_config(model, format: str, tied_policy: str, quantized: dict, groups: dict,
                sparsity: dict, record: dict) -> dict:
     """``config.json``: the model's config, untied when the head is quantized, with the
-    ``quantization_config`` and the ``edgeprune`` section."""
+    ``quantization_config`` and the ``edgeprune`` section, without the source's pointers
+    to remote code (:data:`REMOTE_CODE_KEYS`)."""
     cfg = model.config.to_dict()
-    for k in ("quantization_config", "edgeprune"):
+    for k in ("quantization_config", "edgeprune") + REMOTE_CODE_KEYS:
         cfg.pop(k, None)
     if tied_policy == "untied-quantized-head":
         cfg["tie_word_embeddings"] = False
@@ -243,7 +248,18 @@ def _write_files(folder: Path, model, tokenizer, cfg: dict, record: dict, tensor
         _write_safetensors(mask_tensors, folder / MASKS_FILE)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(folder))
+        _drop_remote_code(folder / "tokenizer_config.json")
     write_json(folder / CHECKPOINT_JSON, record)
+
+
+def _drop_remote_code(path: Path) -> None:
+    """Remove :data:`REMOTE_CODE_KEYS` from a saved JSON file (the tokenizer's config):
+    the code they point at is not part of the checkpoint."""
+    if not path.is_file():
+        return
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(cfg, dict) and any(k in cfg for k in REMOTE_CODE_KEYS):
+        write_json(path, {k: v for k, v in cfg.items() if k not in REMOTE_CODE_KEYS})
 
 
 # --------------------------------------------------------------------------- save

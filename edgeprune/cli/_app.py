@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import click
 
@@ -25,13 +26,25 @@ _CLI_FLAGS = {"threads": "--threads", "max_new_tokens": "--max-new-tokens", "max
               "max_matching_ngram_size": "--max-matching-ngram-size"}
 
 
-def _as_cli_hint(message: str) -> str:
-    """An error's fix as the command line spells it: ``pass e.g. threads=2`` (the Python
-    API's words) becomes ``pass e.g. --threads 2``."""
-    import re
+#: A clause that speaks of a file's field ("edgeprune.json says max_length=...", "field
+#: max_length=..."): a ``name=value`` in it is what the file holds, not a flag to pass.
+_FILE_FIELD = re.compile(r"\b[\w.-]+\.(json|toml|yaml|yml|onnx|safetensors|gguf)\b|\bfield\b")
 
-    return re.sub(r"\b(" + "|".join(_CLI_FLAGS) + r")=(?!=)'?([\w.\-]+)'?",
-                  lambda m: f"{_CLI_FLAGS[m.group(1)]} {m.group(2)}", message)
+
+def _as_cli_hint(message: str) -> str:
+    """An error's text as the command line spells it: ``pass e.g. threads=2`` (the Python
+    API's words) becomes ``pass e.g. --threads 2``. A ``name=value`` in a clause naming a
+    file or a field (``edgeprune.json says max_length=...``) is left alone: it is what the
+    file holds, not a flag."""
+    pattern = re.compile(r"\b(" + "|".join(_CLI_FLAGS) + r")=(?!=)'?([\w.\-]+)'?")
+
+    def flag(m: re.Match) -> str:
+        clause = re.split(r"[,;:()]", message[:m.start()])[-1]
+        if _FILE_FIELD.search(clause):
+            return m.group(0)
+        return f"{_CLI_FLAGS[m.group(1)]} {m.group(2)}"
+
+    return pattern.sub(flag, message)
 
 
 def main(argv=None) -> int:

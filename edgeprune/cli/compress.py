@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import click
@@ -28,8 +29,8 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
     """Compress MODEL with a method or recipe and save a checkpoint."""
     _check_output(json_path, "--json", [model])
     from .. import checkpoint as ckpt
-    from ..calibration import build_calibration
-    from ..engine import check_recipe, compress
+    from ..calibration import build_calibration, describe
+    from ..engine import FallbackWarning, check_recipe, compress
     from ..models import load_model
     from ..pipeline import RunConfig, build_recipe
 
@@ -55,7 +56,10 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
         cal = build_calibration(tok, calib, nsamples=cfg.nsamples, seqlen=seqlen, seed=seed,
                                 model_max_length=getattr(m.config, "max_position_embeddings", None),
                                 model=m)
-        res = compress(m, rec, cal.input_ids, device=device)
+        con.print(describe(cal.info))
+        with warnings.catch_warnings():      # printed below, with the other notes
+            warnings.simplefilter("ignore", FallbackWarning)
+            res = compress(m, rec, cal.input_ids, device=device)
         res.calibration = cal.info
         if res.quantized and fmt == "dense":
             con.print("note: --format dense stores dequantized floats; integer codes are not kept")
@@ -67,6 +71,10 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
     con.print(f"compressed {model} with {rec.to_dict()} in {res.seconds:.1f} s -> {path}")
     if summ.get("avg_bits_per_weight"):
         con.print(f"average bits per weight (scales included): {summ['avg_bits_per_weight']:.3f}")
-    if res.fallbacks:
-        con.print("fallbacks: " + "; ".join(res.fallbacks))
+    changed = res.fallback_summary()
+    if changed:
+        con.print(f"fallbacks: {changed}")
+    notes = [n for n in res.fallbacks if n not in set(res.method_fallbacks())]
+    if notes:
+        con.print("notes: " + "; ".join(notes))
     _write_json(json_path, summ)

@@ -1,4 +1,4 @@
-"""``edgeprune leank``: learn a LeanK key-channel mask."""
+"""``edgeprune leank``: learn a LeanK key-channel mask (the spec ``export --variant`` takes)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from ._common import _check_output, _console
 @click.option("--seqlen", type=int, default=2048, show_default=True,
               help="Calibration window; longer than sink + window so training meets far keys.")
 @click.option("--sink", type=int, default=None,
-              help="Training regime: the sink you will export with (default 64).")
+              help="First tokens keeping full keys, in training and in the export (default 64).")
 @click.option("--window", type=int, default=None,
-              help="Training regime: the window you will export with (default 448).")
+              help="Recent tokens keeping full keys, in training and in the export (default 448).")
 @click.option("--alignment", type=int, default=None,
               help="Every head keeps a multiple of this many channels (default 8).")
 @click.option("--min-per-head", type=int, default=None,
@@ -26,17 +26,21 @@ from ._common import _check_output, _console
 @click.option("--out", "out_path", required=True, help="Mask JSON to write.")
 def leank_cmd(model, k_keep, method, calib, nsamples, seqlen, sink, window, alignment, min_per_head,
               out_path):
-    """Learn a LeanK key-channel mask for MODEL (LeanK, EMNLP 2025) and save it as JSON."""
+    """Learn a LeanK key-channel mask for MODEL (checkpoint, HF folder, .gguf or alias; LeanK,
+    EMNLP 2025) and save it as JSON; `edgeprune export CKPT OUT --variant FILE` builds the
+    graph."""
     from .. import leank as lk
     from ..calibration import build_calibration
-    from ..models import load_model
+    from ..variants import save_spec
+    from .export import load_source
 
     lk.check_leank_args(k_keep=k_keep, alignment=alignment, sink=sink, window=window)
     _check_output(out_path, "--out", [model])
-    m, tok = load_model(model)
+    m, tok, *_ = load_source(model)
     ids = build_calibration(tok, calib, nsamples=nsamples, seqlen=seqlen, model=m,
                             model_max_length=getattr(m.config, "max_position_embeddings", None)).input_ids
     extra = {k: v for k, v in (("alignment", alignment), ("min_per_head", min_per_head)) if v is not None}
-    mask = lk.learn_mask(m, ids, k_keep, method=method, train_sink=sink, train_window=window, **extra)
-    path = mask.save(out_path)
+    mask = lk.LeanKMask.calibrate(m, ids, k_keep=k_keep, method=method, sink=sink, window=window,
+                                  **extra)
+    path = save_spec(mask, out_path)
     _console().print(f"LeanK {method} mask, k_keep={k_keep}: {path}")

@@ -82,6 +82,61 @@ def check_bits(bits, group_size, sym) -> None:
         raise ConfigError(f"sym={sym!r} must be true or false", "use sym=true or sym=false")
 
 
+#: The group sizes a hint may name: the ones the ONNX export stores as ``MatMulNBits``
+#: blocks (a multiple of 16; ``exporters.int4.MATMULNBITS_BLOCKS``).
+GROUP_SIZES = (16, 32, 64, 128, 256)
+
+
+def _fitting(sizes: list[int]) -> list[str]:
+    """The :data:`GROUP_SIZES` dividing every one of ``sizes``; 16 (twice the scale bytes
+    of 32) only when no larger one does."""
+    fit = [g for g in GROUP_SIZES if all(k % g == 0 for k in sizes)]
+    return [str(g) for g in (fit[1:] or fit)]
+
+
+def check_group_size(cfg, layers: list[tuple[str, int]]) -> None:
+    """A quantizing stage's ``group_size`` divides the input size of every layer it
+    targets; otherwise one error whose fix names a value that divides them all (the
+    hint is computed over every targeted layer, not only the first that failed).
+
+    Args:
+        cfg: the stage's config (anything with ``quantizes``, ``group_size``).
+        layers: ``[(module name, in_features)]`` of every layer the stage targets.
+
+    Raises:
+        ConfigError: naming the first layer ``group_size`` does not divide, how many
+            others fail, and the fix: the group sizes of :data:`GROUP_SIZES` (and ``-1``,
+            one group per row, when every input size is a multiple of 16) that divide
+            every targeted input size, or, when none does, the layers to leave out.
+    """
+    gs = getattr(cfg, "group_size", None)
+    if not getattr(cfg, "quantizes", False) or not isinstance(gs, int) or isinstance(gs, bool) \
+            or gs <= 0:
+        return
+    bad = [(n, k) for n, k in layers if k % gs]
+    if not bad:
+        return
+    sizes = sorted({k for _, k in layers})
+    ok = _fitting(sizes)
+    if ok:
+        per_row = all(k % 16 == 0 for k in sizes)
+        hint = (f"use group_size {' or '.join(ok + (['-1'] if per_row else []))}"
+                + (" (-1 = one group per row)" if per_row else "")
+                + f": it divides every targeted input size ({', '.join(map(str, sizes))})")
+    else:
+        odd = sorted({k for k in sizes if k % 16})
+        rest = [k for k in sizes if k % 16 == 0]
+        ok_rest = _fitting(rest)
+        names = sorted({n.rsplit(".", 1)[-1] for n, k in layers if k in odd})
+        hint = (f"no group size the ONNX export can store (a multiple of 16) divides the input "
+                f"size {' or '.join(map(str, odd))} of {', '.join(names)}: leave "
+                f"{'it' if len(names) == 1 else 'them'} out (ignore = {names} in a recipe file)"
+                + (f" and use group_size {' or '.join(ok_rest)} for the other layers" if ok_rest and rest else ""))
+    more = f" (and of {len(bad) - 1} other targeted layer{'s' if len(bad) > 2 else ''})" if len(bad) > 1 else ""
+    name, k = bad[0]
+    raise ConfigError(f"group_size={gs} does not divide the input size {k} of {name}{more}", hint)
+
+
 def check_sweep(cfg, damping: str) -> None:
     """The settings of the OBS column sweep (GPTQ, SparseGPT): the relative Hessian
     damping named ``damping`` (``damp_percent``, ``percdamp``) is >= 0 and ``blocksize``
@@ -282,4 +337,4 @@ class QuantOptions(MethodConfig):
 
 
 __all__ = ["MethodConfig", "PruneOptions", "QuantOptions", "pattern_matches", "check_sparsity",
-           "check_bits", "check_sweep"]
+           "check_bits", "check_sweep", "check_group_size", "GROUP_SIZES"]

@@ -45,11 +45,11 @@ def test_zero_sparsity_is_dense_and_m05_quality_band(setup, wikitext_path):
 
 def test_onnx_decode_matches_reference(setup, tmp_path):
     from edgeprune import countdown as cd
-    from exporters.countdown import export_countdown
+    from exporters import export_onnx
     from runtime.countdown import CountdownSession
     model, tok, _, m05 = setup
-    res = export_countdown(model, tok, tmp_path / "m05", m05, graph_mode="if", max_length=256,
-                           parity_tokens=32)
+    res = export_onnx(model, tok, tmp_path / "m05", variants=[(m05, {"graph_mode": "if"})],
+                      max_length=256, parity_tokens=32)
     assert res.parity["max_abs_logit_diff"] < 1e-3            # dense prefill
     prompt = tok("The history of the city begins", add_special_tokens=False)["input_ids"]
     s = CountdownSession(res.folder, threads=2)

@@ -114,7 +114,7 @@ def test_24_export_perplexity_and_compact_size(smollm2, wikitext_path, tmp_path)
     ref = perplexity(model, tok, wikitext_path, seqlen=512, nwindows=nw, progress=False).ppl
     exp = {}
     for name, kw in (("fp32", dict(precision="fp32")), ("fp16", dict(precision="fp16")),
-                     ("compact", dict(precision="fp32", compact_24=True))):
+                     ("compact", dict(precision="fp32", variants=["compact24"]))):
         exp[name] = exporters.export_onnx(model, tok, tmp_path / name, sparse_24=True, max_length=1024,
                                           validate=False, **kw)
         assert exp[name].metadata["sparsity"]["pattern"] == "2:4"

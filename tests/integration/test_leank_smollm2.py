@@ -21,9 +21,9 @@ def leank_exports(smollm2, tmp_path_factory):
     root = tmp_path_factory.mktemp("leank")
     out = {"mask": mask}
     for name, m in (("k03", mask),):
-        out[name] = exporters.export_onnx(model, tok, root / name, graph="fused", leank=m,
-                                          leank_sink=16, leank_window=64, max_length=2112,
-                                          parity_tokens=32)
+        m.sink, m.window = 16, 64
+        out[name] = exporters.export_onnx(model, tok, root / name, graph="fused", variants=[m],
+                                          max_length=2112, parity_tokens=32)
     return out
 
 

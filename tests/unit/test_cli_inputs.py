@@ -175,8 +175,12 @@ def test_checkpoint_records_the_method_name(model_dir, tmp_path, capsys):
     (["--precision", "int4", "--accuracy-level", "7"], "accuracy_level=7"),
     (["--max-length", "0"], "--max-length 0"),
     (["--precision", "int4", "--accuracy-level-for", "dwn_proj=0"], "matches no MatMulNBits"),
-    (["--leank-mask", "mask.json", "--act-sparsity", "0.5"], "--leank-mask and --act-sparsity"),
-    (["--leank-mask", "mask.json", "--k-keep", "0.25"], "--leank-mask and --k-keep"),
+    # the variants' compress flags moved to `edgeprune leank` / `edgeprune countdown`
+    (["--leank-mask", "mask.json", "--act-sparsity", "0.5"], "--leank-mask, --act-sparsity: export no longer"),
+    (["--leank-mask", "mask.json", "--k-keep", "0.25"], "edgeprune leank MODEL --k-keep R --out leank.json"),
+    (["--countdown", "m"], "edgeprune countdown MODEL --act-sparsity S"),
+    (["--variant", "nosuch"], "graph variant 'nosuch' is unknown"),
+    (["--variant", "missing.json"], "missing.json does not exist"),
 ])
 def test_export_bad_options_are_one_line_errors(model_dir, tmp_path, capsys, argv, needle):
     out = tmp_path / "onnx"

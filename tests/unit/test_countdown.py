@@ -43,11 +43,13 @@ def specs(tiny):
     return {"m": m, "d": d, "dl": dl}
 
 
-def _export(tmp_path, tiny, spec, name, **kw):
-    from exporters.countdown import export_countdown
+def _export(tmp_path, tiny, spec, name, graph_mode=None, **kw):
+    """Export with the COUNTDOWN variant (``graph_mode``: a variant option, else the spec's)."""
+    from exporters import export_onnx
     model, tok = tiny
     kw.setdefault("max_length", 128)
-    return export_countdown(model, tok, tmp_path / name, spec, **kw)
+    v = spec if graph_mode is None else (spec, {"graph_mode": graph_mode})
+    return export_onnx(model, tok, tmp_path / name, variants=[v], **kw)
 
 
 # --------------------------------------------------------------- calibration/reference
@@ -166,23 +168,26 @@ def test_bad_refinement_options(tiny):
 
 def test_spec_save_load_roundtrip(tmp_path, specs):
     q = specs["d"][2]                      # q4 predictor: uint8 codes keep their dtype
-    q.save(tmp_path / "q")
-    qb = cd.CountdownSpec.load(tmp_path / "q")
+    q.save(tmp_path / "q.safetensors")
+    qb = cd.CountdownSpec.load(tmp_path / "q.safetensors")
     assert qb.predictor_kind == "q4" and qb.predictors[0]["gate_codes"].dtype == torch.uint8
     for k, v in q.predictors[1].items():
         assert torch.equal(qb.predictors[1][k], v), k
     spec = specs["dl"][2]
-    spec.save(tmp_path / "cd")
-    back = cd.CountdownSpec.load(tmp_path / "cd")
+    spec.save(tmp_path / "cd.safetensors")
+    back = cd.CountdownSpec.load(tmp_path / "cd.safetensors")
     assert back.thresholds == pytest.approx(spec.thresholds)
     assert back.mode == "d" and back.rank == 8
     assert sorted(back.predictors[1]) == ["u_gate", "u_up", "v_gate", "v_up"]
     for k in ("v_gate", "u_gate", "v_up", "u_up"):
         assert torch.equal(back.predictors[1][k], spec.predictors[1][k])
-    assert json.loads((tmp_path / "cd" / "countdown.json").read_text())["act_sparsity"] == 0.7
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "cd.safetensors"), framework="numpy") as f:
+        assert f.metadata()["edgeprune_variant"] == "countdown"
+        assert json.loads(f.metadata()["spec"])["act_sparsity"] == 0.7
     m = specs["m"][1]                      # M: the channel scale travels with the spec
-    m.save(tmp_path / "m")
-    mb = cd.CountdownSpec.load(tmp_path / "m")
+    m.save(tmp_path / "m.safetensors")
+    mb = cd.CountdownSpec.load(tmp_path / "m.safetensors")
     assert list(mb.predictors[0]) == ["channel_scale"]
     assert torch.equal(mb.predictors[0]["channel_scale"], m.predictors[0]["channel_scale"])
 
@@ -238,7 +243,7 @@ def test_onnx_sparse_graph_equals_reference(tmp_path, tiny, specs, mode):
     model, tok = tiny
     spec = specs[mode][2]
     res = _export(tmp_path, tiny, spec, "sp", graph_mode="sparse")
-    meta = res.metadata["countdown"]
+    meta = res.metadata["variants"]["countdown"]
     assert meta["graph_mode"] == "sparse" and meta["mode"] == spec.mode
     assert meta["channel_scale"] is (mode == "m")
     ids = _ids(30, seed=5)
@@ -387,7 +392,7 @@ def test_int4_export_runs_and_records_granularity(tmp_path, tiny, specs):
     model, tok = tiny
     spec = specs["m"][1]
     res = _export(tmp_path, tiny, spec, "q4", precision="int4", group_size=16)
-    meta = json.loads((res.folder / "edgeprune.json").read_text())["countdown"]
+    meta = json.loads((res.folder / "edgeprune.json").read_text())["variants"]["countdown"]
     assert meta["int4"]["rows"].startswith("GatherBlockQuantized")
     assert "g16" in meta["int4"]["down_t"]
     s = runtime.load(res.folder, threads=1)
@@ -430,7 +435,7 @@ def test_countdown_off_on_a_never_filtering_export(tmp_path, tiny, specs):
     import runtime
     model, tok = tiny
     res = _export(tmp_path, tiny, specs["m"][0], "s0")
-    assert json.loads((res.folder / "edgeprune.json").read_text())["countdown"]["graph_mode"] == "dense"
+    assert json.loads((res.folder / "edgeprune.json").read_text())["variants"]["countdown"]["graph_mode"] == "dense"
     ids = list(_ids(8)[0])
     with runtime.countdown.load(res.folder, threads=1, countdown=False) as off, \
             runtime.load(res.folder, threads=1) as on:
@@ -439,12 +444,12 @@ def test_countdown_off_on_a_never_filtering_export(tmp_path, tiny, specs):
 
 
 def test_export_bad_inputs(tmp_path, tiny, specs):
-    from exporters.countdown import export_countdown
-    model, tok = tiny
     with pytest.raises(ExportError, match="graph_mode"):
-        export_countdown(model, tok, tmp_path / "a", specs["m"][1], graph_mode="both")
+        _export(tmp_path, tiny, specs["m"][1], "a", graph_mode="both")
     with pytest.raises(ExportError, match="layers"):
-        export_countdown(model, tok, tmp_path / "b", cd.CountdownSpec("m", 0.5, [0.1]))
+        _export(tmp_path, tiny, cd.CountdownSpec("m", 0.5, [0.1]), "b")
+    with pytest.raises(ConfigError, match="graph_mode"):
+        cd.CountdownSpec.calibrate(tiny[0], _calib(), act_sparsity=0.5, graph_mode="both")
 
 
 def test_greedy_allocation_keeps_mean(tiny):

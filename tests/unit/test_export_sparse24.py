@@ -78,9 +78,10 @@ def test_compact24_smaller_and_exact(tok, tmp_path):
                             num_attention_heads=4, num_key_value_heads=2), fp16_values=True)
     dense16 = exporters.export_onnx(model, tok, tmp_path / "d16", precision="fp16",
                                     max_length=128, validate=False)
-    comp = exporters.export_onnx(model, tok, tmp_path / "c", compact_24=True, lm_head="fp",
+    comp = exporters.export_onnx(model, tok, tmp_path / "c", variants=["compact24"], lm_head="fp",
                                  max_length=128)
-    assert comp.metadata["compact_24"] and comp.metadata["sparsity"]["pattern"] == "2:4"
+    assert comp.metadata["variants"]["compact24"]["layers"] == 2 * 4   # q/k/v fused, o, gate/up, down
+    assert comp.metadata["sparsity"]["pattern"] == "2:4"
     assert comp.model_bytes < 0.85 * dense16.model_bytes   # emb/head (not 2:4) stay fp32 here
     import onnx
     def sizes(path, keys):
@@ -131,7 +132,7 @@ def test_compact24_validation_uses_fp16_values(tiny_qwen2, tok, tmp_path):
     torch model with the fp16-rounded values, so it stays exact; vs the fp32 model the
     difference is the (small) fp16 rounding."""
     model = _prune_24(tiny_qwen2)
-    comp = exporters.export_onnx(model, tok, tmp_path / "c", compact_24=True, lm_head="fp",
+    comp = exporters.export_onnx(model, tok, tmp_path / "c", variants=["compact24"], lm_head="fp",
                                  max_length=128)
     assert comp.parity["max_abs_logit_diff"] < 1e-4
     ids = rand_ids(24, seed=4)

@@ -149,7 +149,8 @@ def test_learned_mask_beats_random_masks(tiny_llama):
 
 def test_training_regime_defaults_to_deployment_sink_window():
     from edgeprune.errors import CalibrationError
-    from edgeprune.leank import DEFAULT_SINK, DEFAULT_WINDOW, _train_regime
+    from edgeprune.leank import DEFAULT_SINK, DEFAULT_WINDOW
+    from edgeprune.leank.train import _train_regime
     sink, window, pos = _train_regime(2048, None, None, None)
     assert (sink, window) == (DEFAULT_SINK, DEFAULT_WINDOW)
     assert pos[0] == DEFAULT_SINK + DEFAULT_WINDOW and pos[-1] == 2047
@@ -164,7 +165,7 @@ def test_training_problem_matches_reference_attention(tiny_llama):
     """The stage-1/2 training forward (selected queries, precomputed dense logits) is the
     inference rule: alpha = 1 gives the dense output; a 0/1 alpha with the mask's channels
     gives the reference LeanK attention output at those queries."""
-    from edgeprune.leank import _capture, _LayerProblem
+    from edgeprune.leank.train import _capture, _LayerProblem
     L, N, KV, D = kv_geometry(tiny_llama)
     ids = torch.from_numpy(rand_ids(40, seed=5, batch=2))
     h_in, _, (cos, sin) = _capture(tiny_llama, ids)
@@ -207,8 +208,15 @@ def test_mask_json_roundtrip_and_errors(tmp_path, tiny_llama):
 
 # --------------------------------------------------------------- export + runtime
 
-def _export(model, tmp_path, name, **kw):
+def _export(model, tmp_path, name, mask=None, sink=None, window=None, **kw):
+    """Export ``model``, with the LeanK variant when ``mask`` is given (``sink`` / ``window``:
+    the mask's export regime, else its own)."""
+    import dataclasses
+
     import exporters
+    if mask is not None:
+        kw["variants"] = [dataclasses.replace(mask, sink=sink if sink is not None else mask.sink,
+                                              window=window if window is not None else mask.window)]
     return exporters.export_onnx(model, byte_tokenizer(), tmp_path / name, max_length=128, **kw)
 
 
@@ -222,9 +230,10 @@ def test_export_equals_reference_prefill_chunked_decode(arch, graph, tmp_path, r
     ids = rand_ids(50, seed=1)
     sink, window = 3, 9
     ref = _ref_logits(model, mk, ids, sink, window)
-    r = _export(model, tmp_path, "lk", graph=graph, leank=mk, leank_sink=sink, leank_window=window)
+    r = _export(model, tmp_path, "lk", graph=graph, mask=mk, sink=sink, window=window)
     assert r.parity["max_abs_logit_diff"] < 1e-4          # within sink + window = dense
-    assert r.metadata["leank"]["sink"] == sink and r.metadata["leank"]["keep"] == mk.keep
+    rec = r.metadata["variants"]["leank"]
+    assert rec["sink"] == sink and rec["keep"] == mk.keep
     s = runtime.load(r.folder)
     assert isinstance(s, LeanKSession)
     assert np.abs(s.logits(ids) - ref).max() < 1e-4
@@ -244,8 +253,8 @@ def test_dead_heads_and_dead_layer_drop_middle_v(tiny_llama, tmp_path):
                    alignment=4, method="manual")
     ids = rand_ids(40, seed=2)
     ref = _ref_logits(tiny_llama, mk, ids, 2, 6)
-    s = runtime.load(_export(tiny_llama, tmp_path, "dead", graph="plain", leank=mk,
-                             leank_sink=2, leank_window=6).folder)
+    s = runtime.load(_export(tiny_llama, tmp_path, "dead", graph="plain", mask=mk,
+                             sink=2, window=6).folder)
     assert s.key_widths == [0, 12] and s.alive_heads == [0, 2]
     assert np.abs(s.logits(ids, chunk=11) - ref).max() < 1e-4
     b = s.kv_cache_bytes(40)
@@ -259,8 +268,8 @@ def test_keep_one_export_equals_plain_export(tiny_llama, tmp_path):
     L, N, KV, D = kv_geometry(tiny_llama)
     ids = rand_ids(60, seed=4)
     a = runtime.load(_export(tiny_llama, tmp_path, "full", graph="plain",
-                             leank=LeanKMask.full(L, KV, D), leank_sink=2,
-                             leank_window=4).folder).logits(ids, chunk=16)
+                             mask=LeanKMask.full(L, KV, D), sink=2,
+                             window=4).folder).logits(ids, chunk=16)
     b = runtime.load(_export(tiny_llama, tmp_path, "plain", graph="plain").folder).logits(ids)
     assert np.abs(a - b).max() < 1e-5
 
@@ -271,7 +280,7 @@ def test_int4_composes(tiny_llama, tmp_path):
     L, N, KV, D = kv_geometry(tiny_llama)
     ids = rand_ids(40, seed=5)
     lk = _export(tiny_llama, tmp_path, "lk4", precision="int4", graph="fused",
-                 leank=LeanKMask.full(L, KV, D), leank_sink=2, leank_window=4)
+                 mask=LeanKMask.full(L, KV, D), sink=2, window=4)
     ref = _export(tiny_llama, tmp_path, "d4", precision="int4", graph="fused")
     ops = {n.op_type for n in __import__("onnx").load(str(lk.folder / "model.onnx")).graph.node}
     assert "MatMulNBits" in ops and "GroupQueryAttention" not in ops
@@ -283,8 +292,8 @@ def test_int4_composes(tiny_llama, tmp_path):
 def test_k_cache_bytes_match_mask_fraction(tiny_qwen2, tmp_path):
     import runtime
     mk = learn_mask(tiny_qwen2, _calib(), 0.25, method="magnitude", alignment=4)
-    s = runtime.load(_export(tiny_qwen2, tmp_path, "b", leank=mk, leank_sink=4,
-                             leank_window=12).folder)
+    s = runtime.load(_export(tiny_qwen2, tmp_path, "b", mask=mk, sink=4,
+                             window=12).folder)
     b = s.kv_cache_bytes(100)
     assert b["k_middle"] / b["k_middle_dense"] == pytest.approx(0.25, abs=1e-12)
     assert b["k"] == b["k_middle"] + b["k_full"] and b["full_tokens"] == 16
@@ -295,8 +304,8 @@ def test_runtime_generate_and_errors(tiny_llama, tmp_path):
     import exporters
     import runtime
     mk = learn_mask(tiny_llama, _calib(), 0.5, method="magnitude", alignment=4)
-    s = runtime.load(_export(tiny_llama, tmp_path, "g", leank=mk, leank_sink=2,
-                             leank_window=4).folder)
+    s = runtime.load(_export(tiny_llama, tmp_path, "g", mask=mk, sink=2,
+                             window=4).folder)
     ids = rand_ids(20, seed=6)[0].tolist()
     out = s.generate(ids, max_new_tokens=8)
     ref = []
@@ -327,7 +336,7 @@ def test_runtime_generate_and_errors(tiny_llama, tmp_path):
     assert s.sess is None
     bad = LeanKMask.full(3, 2, 16)
     with pytest.raises(ExportError, match="does not match"):
-        exporters.export_onnx(tiny_llama, byte_tokenizer(), tmp_path / "bad", leank=bad)
+        exporters.export_onnx(tiny_llama, byte_tokenizer(), tmp_path / "bad", variants=[bad])
 
 
 def test_export_defaults_to_the_masks_training_regime_and_refuses_no_pruning(tiny_llama, tmp_path):
@@ -337,11 +346,11 @@ def test_export_defaults_to_the_masks_training_regime_and_refuses_no_pruning(tin
     L, KV, D = (kv_geometry(tiny_llama)[i] for i in (0, 2, 3))
     m = LeanKMask.full(L, KV, D)
     m.meta = {"train_sink": 4, "train_window": 8}
-    r = _export(tiny_llama, tmp_path, "regime", leank=m)
-    assert (r.metadata["leank"]["sink"], r.metadata["leank"]["window"]) == (4, 8)
+    r = _export(tiny_llama, tmp_path, "regime", mask=m)
+    assert (r.metadata["variants"]["leank"]["sink"], r.metadata["variants"]["leank"]["window"]) == (4, 8)
     with pytest.raises(ExportError, match=r"sink \+ window = 64 \+ 448 tokens cover the whole "
                                           r"context \(max_length=128\): no key would be pruned"):
-        _export(tiny_llama, tmp_path, "none", leank=LeanKMask.full(L, KV, D))
+        _export(tiny_llama, tmp_path, "none", mask=LeanKMask.full(L, KV, D))
     with pytest.raises(ExportError, match="sink \\+ window = 100 \\+ 28"):
-        _export(tiny_llama, tmp_path, "edge", leank=m, leank_sink=100, leank_window=28)
+        _export(tiny_llama, tmp_path, "edge", mask=m, sink=100, window=28)
     assert not (tmp_path / "none").exists() and not (tmp_path / "edge").exists()

@@ -360,3 +360,23 @@ def test_small_page_cache_reads_only_the_row_read_tables(tmp_path, monkeypatch):
     assert sum(n for _, n in read) == data.stat().st_size
     with runtime.load(tmp_path / "a") as s:      # and the load path passes the ranges
         assert s.meta["row_read_ranges"] == ranges
+
+
+def test_stream_tells_its_finish_reason_and_result(folders):
+    _, f = folders
+    with runtime.load(f["fused"]) as s:
+        s.eos_token_ids = []
+        it = s.stream("abc", max_new_tokens=12)
+        assert it.finish_reason is None and it.result is None
+        text = "".join(it)
+        assert it.finish_reason == "length" and it.result.text == text
+        assert len(it.result.token_ids[0]) == 12 and it.result.prompt_tokens == [3]
+        stop = text[3:5]
+        it = s.stream("abc", max_new_tokens=12, stop=stop)
+        assert "".join(it) == text[:text.find(stop)] and it.finish_reason == "stop"
+        s.eos_token_ids = [s.generate("abc", max_new_tokens=1).token_ids[0][0]]
+        it = s.stream("abc", max_new_tokens=12)
+        assert list(it) == [] and it.finish_reason == "eos"
+        it = s.stream("abc", max_new_tokens=12)
+        it.close()
+        assert it.finish_reason == "cancelled"

@@ -1,0 +1,433 @@
+"""What every bench script shares: paths, peer virtualenvs, our cached exports, one JSON writer.
+
+A bench imports it as ``import benchlib``: ``python bench/X.py`` puts ``bench/`` first on
+the module search path, and edgeprune / exporters / runtime / devices come from the project
+venv's editable install, so no script edits the search path. A worker a bench starts in a fresh
+process (perhaps in a peer's virtualenv) gets the repository root through ``PYTHONPATH``
+(:func:`worker_env`). This module imports only the standard library at load time, because
+bench scripts also run as workers inside peer virtualenvs that have none of our packages.
+
+Records. Every bench writes, with ``--json PATH``, a JSON list of records with exactly the
+fields ``{"case", "metric", "ours", "peer", "theirs"}``: ``metric`` names carry their unit
+(``decode_tok_s``, ``peak_rss_mib``, ``ppl``, ``kl_nats``); ``ours`` / ``theirs`` are numbers
+or null; ``peer`` names the peer tool or is null. A failure or a remark is a record of its
+own with metric ``error`` or ``note`` and the text as its value, so nothing is hidden and
+every record keeps the same shape. :func:`write_records` checks all of it, then writes
+atomically; ``bench/report.py`` turns ``bench/results/*.json`` into ``docs/benchmarks.md``.
+
+Command line (set-up ahead of a bench run)::
+
+    python bench/benchlib.py peers [llamacpp ortgenai llmcompressor]   # build peer venvs
+    python bench/benchlib.py export rtn-g32 bench/.cache/smollm2-int4  # one of our exports
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import numbers
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+CACHE = BENCH / ".cache"                # git-ignored: exports, peer results, logs
+RESULTS = BENCH / "results"             # committed: the JSON that docs/benchmarks.md is made from
+# evaluation data the benches read (never the product): ../shared/data, see its SOURCES.md
+SHARED = Path(os.environ.get("EDGEPRUNE_SHARED", ROOT.parent / "shared"))
+C4 = SHARED / "data" / "c4" / "c4_validation_2k.parquet"
+WIKI = SHARED / "data" / "wikitext2" / "wiki.test.raw"
+
+# ---------------------------------------------------------------------------------------------
+# records
+# ---------------------------------------------------------------------------------------------
+
+RECORD_FIELDS = ("case", "metric", "ours", "peer", "theirs")
+TEXT_METRICS = ("error", "note")        # the only metrics whose values may be text
+# the peer tools (the README's results table lists these; other peers are A/B baselines)
+PEER_TOOLS = ("llama.cpp", "onnxruntime-genai", "llm-compressor")
+
+
+class RecordError(ValueError):
+    """A bench record does not have the shape ``{case, metric, ours, peer, theirs}``."""
+
+
+def record(case: str, metric: str, ours=None, *, peer: Optional[str] = None, theirs=None) -> dict:
+    """One record ``{"case", "metric", "ours", "peer", "theirs"}`` (checked when written)."""
+    return {"case": case, "metric": metric, "ours": ours, "peer": peer, "theirs": theirs}
+
+
+def error_record(case: str, message: str, *, peer: Optional[str] = None,
+                 side: str = "theirs") -> dict:
+    """A failure kept as a record: metric ``error``, ``message`` on the failing ``side``
+    (``"ours"`` or ``"theirs"``)."""
+    if side not in ("ours", "theirs"):
+        raise RecordError(f"side={side!r} is not 'ours' or 'theirs'")
+    rec = record(case, "error", peer=peer)
+    rec[side] = str(message)
+    return rec
+
+
+def note_record(case: str, text: str, *, peer: Optional[str] = None) -> dict:
+    """A remark on a case (e.g. ``peer result reused from the cache``): metric ``note``."""
+    return record(case, "note", str(text), peer=peer)
+
+
+def _value(v, where: str, field: str, text_ok: bool):
+    if v is None:
+        return None
+    if isinstance(v, str):
+        if text_ok:
+            return v
+        raise RecordError(f"{where}: {field} is text ({v[:60]!r}) but the metric is numeric "
+                          f"(fix: put a failure in its own error_record(), or use metric "
+                          f"{' / '.join(TEXT_METRICS)})")
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise RecordError(f"{where}: {field} is a {type(v).__name__}, not a number or null "
+                          "(fix: convert it with float() or int())")
+    v = int(v) if isinstance(v, numbers.Integral) else float(v)
+    if isinstance(v, float) and not math.isfinite(v):
+        raise RecordError(f"{where}: {field} is {v}, which JSON cannot hold "
+                          "(fix: record null and an error_record() saying why)")
+    return v
+
+
+def validate_record(rec, index: Optional[int] = None) -> dict:
+    """Check one record and return it with plain Python numbers (numpy scalars converted).
+
+    Raises:
+        RecordError: not a dict; a field missing or extra; ``case`` / ``metric`` not a
+            non-empty string (no whitespace in ``metric``); ``peer`` neither null nor a
+            string; ``ours`` / ``theirs`` not a finite number or null (text only for the
+            metrics ``error`` and ``note``). The message names the record and the fix.
+    """
+    where = f"record {index}" if index is not None else "record"
+    if not isinstance(rec, dict):
+        raise RecordError(f"{where} is a {type(rec).__name__}, not a dict "
+                          f"(fix: build it with benchlib.record())")
+    where += f" (case {rec.get('case')!r}, metric {rec.get('metric')!r})"
+    missing = [f for f in RECORD_FIELDS if f not in rec]
+    extra = sorted(set(rec) - set(RECORD_FIELDS))
+    if missing or extra:
+        raise RecordError(f"{where}: " + "; ".join(
+            ([f"missing {', '.join(missing)}"] if missing else []) +
+            ([f"extra {', '.join(extra)}"] if extra else [])) +
+            f" (fix: exactly {', '.join(RECORD_FIELDS)}; a failure or remark is its own "
+            "error_record() / note_record(), a second figure its own metric)")
+    for f in ("case", "metric"):
+        if not isinstance(rec[f], str) or not rec[f].strip():
+            raise RecordError(f"{where}: {f} must be a non-empty string")
+    if any(c.isspace() for c in rec["metric"]):
+        raise RecordError(f"{where}: metric {rec['metric']!r} has whitespace "
+                          "(fix: snake_case with its unit, e.g. decode_tok_s)")
+    if rec["peer"] is not None and (not isinstance(rec["peer"], str) or not rec["peer"]):
+        raise RecordError(f"{where}: peer must be a tool name or null")
+    text_ok = rec["metric"] in TEXT_METRICS
+    return {"case": rec["case"], "metric": rec["metric"],
+            "ours": _value(rec["ours"], where, "ours", text_ok), "peer": rec["peer"],
+            "theirs": _value(rec["theirs"], where, "theirs", text_ok)}
+
+
+def write_records(path, records: Iterable[dict]) -> Path:
+    """Check every record (:func:`validate_record`) and write them as a JSON list,
+    atomically (``runtime.files.atomic_write``); prints where it wrote.
+
+    Returns:
+        The path written.
+
+    Raises:
+        RecordError: a record has the wrong shape. Nothing is written to ``path``; the
+            records as given are saved beside it as ``<path>.invalid`` (so a long run's
+            figures survive a bug in its last lines) and the message names that file.
+    """
+    from runtime.files import atomic_write
+
+    records = list(records)
+    try:
+        checked = [validate_record(r, i) for i, r in enumerate(records)]
+    except RecordError as e:
+        keep = Path(f"{path}.invalid")
+        try:
+            atomic_write(keep, json.dumps(records, indent=1, default=str))
+            raise RecordError(f"{e}; nothing written to {path}, the records are in {keep}") from None
+        except OSError:
+            raise e from None
+    out = atomic_write(path, json.dumps(checked, indent=1) + "\n")
+    print(f"wrote {len(checked)} records to {out}", flush=True)
+    return out
+
+
+def read_records(path) -> list[dict]:
+    """The records of a results file, each checked by :func:`validate_record`.
+
+    Raises:
+        RecordError: the file is not a JSON list of valid records (the message names it).
+    """
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise RecordError(f"{path} is not JSON: {e}") from None
+    if not isinstance(data, list):
+        raise RecordError(f"{path} holds a {type(data).__name__}, not a list of records")
+    try:
+        return [validate_record(r, i) for i, r in enumerate(data)]
+    except RecordError as e:
+        raise RecordError(f"{path}: {e}") from None
+
+
+def add_common_args(parser: argparse.ArgumentParser, quick_help: str) -> argparse.ArgumentParser:
+    """Add the options every bench has: ``--json PATH`` (the records, see
+    :func:`write_records`) and ``--quick`` (``quick_help`` says what it runs; every
+    ``--quick`` finishes in under 10 minutes on 2 cores once the peer venvs exist)."""
+    parser.add_argument("--json", type=Path, metavar="PATH", default=None,
+                        help="write the records here ({case, metric, ours, peer, theirs}), "
+                             "e.g. bench/results/<script>.json")
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------
+# subprocesses and peer virtualenvs
+# ---------------------------------------------------------------------------------------------
+
+def worker_env(**extra: str) -> dict:
+    """The environment of a worker process: this one's, with the repository root first on
+    ``PYTHONPATH`` (how a worker in any virtualenv imports the repo's packages) and
+    ``extra`` variables set."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+TORCH_PIN = "torch==2.13.0"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# peer venvs: name -> (packages installed after torch, module whose import proves it ready,
+# extra environment for pip). llama-cpp-python is built from source: ~13 min on 2 cores.
+PEER_VENVS = {
+    "llamacpp": (["llama-cpp-python", "numpy", "psutil"], "llama_cpp",
+                 {"CMAKE_BUILD_PARALLEL_LEVEL": "2"}),
+    "ortgenai": (["onnxruntime-genai", "transformers", "onnx", "onnxruntime", "numpy", "psutil",
+                  "safetensors"], "onnxruntime_genai", {}),
+    "llmcompressor": (["llmcompressor==0.14.0.1"], "llmcompressor", {}),
+    # Intel's AutoRound (SignRound), compare_methods.py's signround case (issue 28)
+    "autoround": (["auto-round==0.16.1"], "auto_round", {}),
+}
+
+
+def venv_python(name: str) -> Path:
+    """Path of the python interpreter of the peer venv ``ROOT/.venv-<name>``."""
+    return ROOT / f".venv-{name}" / "bin" / "python"
+
+
+def ensure_venv(name: str, packages: Sequence[str], *, check_import: Optional[str] = None,
+                log: Optional[Path] = None, env: Optional[dict] = None) -> Path:
+    """Create ``.venv-<name>`` (if missing) and install ``torch==2.13.0`` then ``packages``.
+
+    torch goes first, from the local / CPU wheel, so that an unpinned dependency never pulls
+    a multi-GB CUDA build (``../shared/PEERS.md``).
+
+    Args:
+        name: peer short name; the venv is ``ROOT/.venv-<name>`` (git-ignored).
+        packages: pip requirement strings installed after torch.
+        check_import: module whose import proves the venv ready (then pip is skipped).
+        log: file receiving pip's output (appended).
+        env: extra environment for pip (e.g. ``CMAKE_BUILD_PARALLEL_LEVEL``).
+
+    Returns:
+        The venv's python path.
+
+    Raises:
+        RuntimeError: venv creation or a pip install failed (see ``log``).
+    """
+    py = venv_python(name)
+    if check_import and py.exists():
+        if subprocess.run([str(py), "-c", f"import {check_import}"],
+                          capture_output=True).returncode == 0:
+            return py
+    if log:
+        log.parent.mkdir(parents=True, exist_ok=True)
+    out = open(log, "a") if log else subprocess.DEVNULL
+    e = {**os.environ, **(env or {})}
+    try:
+        if not py.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(py.parent.parent)],
+                           check=True, stdout=out, stderr=out)
+        pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check"]
+        r = subprocess.run(pip + [TORCH_PIN], stdout=out, stderr=out, env=e)
+        if r.returncode:
+            r = subprocess.run(pip + ["--index-url", CPU_INDEX, TORCH_PIN], stdout=out, stderr=out, env=e)
+        if r.returncode:
+            raise RuntimeError(f"installing {TORCH_PIN} into .venv-{name} failed (see {log})")
+        r = subprocess.run(pip + [TORCH_PIN, *packages], stdout=out, stderr=out, env=e)
+        if r.returncode:
+            raise RuntimeError(f"installing {list(packages)} into .venv-{name} failed (see {log})")
+    finally:
+        if log:
+            out.close()
+    return py
+
+
+def ensure_peer(name: str, log: Optional[Path] = None) -> Path:
+    """The python of the peer venv ``name`` (a key of :data:`PEER_VENVS`), built on first
+    use; ``log`` defaults to ``bench/.cache/venv-<name>.log``.
+
+    Raises:
+        KeyError: unknown peer name. RuntimeError: the venv could not be built.
+    """
+    packages, check, env = PEER_VENVS[name]
+    return ensure_venv(name, packages, check_import=check, env=env,
+                       log=log or CACHE / f"venv-{name}.log")
+
+
+def run_peer(py: Path, args: Sequence[str], *, timeout: float, env: Optional[dict] = None,
+             log: Optional[Path] = None) -> dict:
+    """Run ``py args...`` and return ``{"rc", "seconds", "tail"}``; never raises on the
+    child's failure. ``env``: the child's whole environment (default: this process's; pass
+    :func:`worker_env` when the child imports the repo's packages).
+
+    ``tail`` is the last 3000 characters of stdout+stderr (a peer's crash is recorded, not
+    hidden); ``rc`` 124 means it timed out.
+    """
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([str(py), *map(str, args)], capture_output=True, text=True,
+                           timeout=timeout, env=env)
+        rc, text = p.returncode, (p.stdout or "") + (p.stderr or "")
+    except subprocess.TimeoutExpired as ex:
+        rc = 124
+        so = ex.stdout or ""
+        text = (so.decode(errors="replace") if isinstance(so, bytes) else so) + \
+            f"\n[timed out after {timeout:.0f} s]"
+    if log:
+        with open(log, "a") as f:
+            f.write(f"\n$ {py} {' '.join(map(str, args))}\n{text}\n")
+    return {"rc": rc, "seconds": time.perf_counter() - t0, "tail": text[-3000:]}
+
+
+# ---------------------------------------------------------------------------------------------
+# our int4 exports of SmolLM2-135M, cached under bench/.cache
+# ---------------------------------------------------------------------------------------------
+
+OURS_VARIANTS = {
+    # what `edgeprune run` ships (edgeprune.pipeline.RunConfig()): the best-w4 preset (GPTQ
+    # int4 g64 asym, 8-bit v_proj and layers.0 down_proj) calibrated on 32 x 512 tokens sampled
+    # from the model itself, 8-bit lm_head shared with the embedding. 30+ min on a busy
+    # 2-core machine (the sampling and GPTQ), so no --quick builds it.
+    "default": "best-w4 (GPTQ int4 g64 asym), self-calibrated 32x512 (what `edgeprune run` ships)",
+    # data-free: RTN int4 g32 asym, block for block like llama.cpp's Q4_0, 8-bit lm_head.
+    # Load + export + parity check: 1-3 min on 2 cores. What --quick builds.
+    "rtn-g32": "data-free RTN int4 g32 asym, no calibration (block for block like Q4_0)",
+}
+QUICK_VARIANT = "rtn-g32"
+
+
+def ours_folder(variant: str) -> Path:
+    """The cached export folder of an :data:`OURS_VARIANTS` entry."""
+    return CACHE / ("smollm2-int4" if variant == "rtn-g32" else f"smollm2-int4-{variant}")
+
+
+def ours_is_current(folder: Path) -> bool:
+    """Whether ``folder`` holds an export newer than every ``exporters/`` and ``edgeprune/``
+    source file (so a stale export is never measured)."""
+    meta = folder / "edgeprune.json"
+    if not ((folder / "model.onnx").is_file() and meta.is_file()):
+        return False
+    srcs = [*(ROOT / "exporters").rglob("*.py"), *(ROOT / "edgeprune").rglob("*.py")]
+    return meta.stat().st_mtime > max(p.stat().st_mtime for p in srcs)
+
+
+def ensure_ours(folder: Path, log: Callable[[str], None], variant: str = "default") -> Optional[str]:
+    """Build our int4 export ``variant`` into ``folder`` unless a current one is there
+    (:func:`ours_is_current`), in a fresh process (``python bench/benchlib.py export``, so
+    the PyTorch model's memory goes with it). Returns an error string, or None."""
+    if ours_is_current(folder):
+        return None
+    if variant not in OURS_VARIANTS:
+        return f"unknown export variant {variant!r} (known: {', '.join(OURS_VARIANTS)})"
+    log(f"building our export {variant!r} ({OURS_VARIANTS[variant]}) into {folder}")
+    r = run_peer(Path(sys.executable), [Path(__file__).resolve(), "export", variant, folder],
+                 timeout=3600, env=worker_env())
+    log(r["tail"].strip()[-400:])
+    return None if r["rc"] == 0 else f"int4 export ({variant}) failed: {r['tail'].strip()[-800:]}"
+
+
+def quick_variants() -> list[str]:
+    """Our exports a ``--quick`` run measures: the data-free :data:`QUICK_VARIANT`, plus the
+    shipped ``default`` only when a current copy is already cached (never built here)."""
+    return [QUICK_VARIANT] + (["default"] if ours_is_current(ours_folder("default")) else [])
+
+
+def build_ours(variant: str, folder: Path) -> str:
+    """Export SmolLM2-135M to ``folder`` as :data:`OURS_VARIANTS` ``variant`` (int4,
+    max_length 2048, overwriting); returns the export's summary."""
+    import exporters
+    from edgeprune.models import load_model
+
+    m, t = load_model("smollm2-135m")
+    kw: dict = {}
+    if variant == "default":
+        from edgeprune.calibration import build_calibration
+        from edgeprune.engine import compress
+        from edgeprune.pipeline import DEFAULT_CALIB, RunConfig, build_recipe
+
+        c = RunConfig()
+        cal = build_calibration(t, DEFAULT_CALIB, nsamples=c.nsamples, seqlen=c.seqlen,
+                                seed=c.seed, model=m)
+        kw["quantized"] = compress(m, build_recipe(c), cal.input_ids, progress=False).quantized
+    elif variant == "rtn-g32":
+        kw["group_size"] = 32
+    else:
+        raise ValueError(f"unknown export variant {variant!r} (known: {', '.join(OURS_VARIANTS)})")
+    r = exporters.export_onnx(m, t, folder, precision="int4", max_length=2048, overwrite=True,
+                              provenance={"bench": "benchlib.build_ours", "variant": variant}, **kw)
+    return r.summary()
+
+
+# ---------------------------------------------------------------------------------------------
+# the repo's APIs the benches call that the redesign moves: one place to update
+# ---------------------------------------------------------------------------------------------
+
+def model_work(folder) -> dict:
+    """Bytes and operations per token of an export (the profiler's graph work count)."""
+    from devices.profiler import model_work as _model_work
+
+    return _model_work(folder)
+
+
+def load_countdown(folder, threads: int):
+    """A COUNTDOWN session of an export (``mlp_read_report()`` included)."""
+    import runtime.countdown
+
+    return runtime.countdown.load(folder, threads=threads)
+
+
+def main(argv=None) -> int:
+    """``peers [NAME...]``: build peer venvs; ``export VARIANT FOLDER``: one of our exports."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("peers", help="build the peer virtualenvs (default: all)")
+    p.add_argument("names", nargs="*", metavar="NAME", help=", ".join(PEER_VENVS))
+    e = sub.add_parser("export", help="build one of our cached int4 exports")
+    e.add_argument("variant", choices=list(OURS_VARIANTS))
+    e.add_argument("folder", type=Path)
+    a = ap.parse_args(argv)
+    if a.cmd == "peers":
+        unknown = sorted(set(a.names) - set(PEER_VENVS))
+        if unknown:
+            ap.error(f"unknown peers {unknown}; known: {', '.join(PEER_VENVS)}")
+        for name in a.names or PEER_VENVS:
+            t0 = time.perf_counter()
+            print(f"{name}: {ensure_peer(name)} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    else:
+        print(build_ours(a.variant, a.folder), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

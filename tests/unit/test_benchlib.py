@@ -1,0 +1,148 @@
+"""The bench helper (bench/benchlib.py) and the docs generator (bench/report.py).
+
+Bench code is not a package: both files are loaded from their paths, and ``benchlib`` is
+registered under its own name so that ``report.py``'s ``import benchlib`` finds it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def benchlib(monkeypatch):
+    mod = _load("benchlib")
+    monkeypatch.setitem(sys.modules, "benchlib", mod)
+    return mod
+
+
+@pytest.fixture
+def report(benchlib):
+    return _load("report")
+
+
+def test_record_must_have_exactly_the_five_fields(benchlib, tmp_path):
+    good = benchlib.record("int4/t1", "decode_tok_s", 50.0, peer="llama.cpp", theirs=48.0)
+    missing = {k: v for k, v in good.items() if k != "theirs"}
+    extra = {**good, "error": "boom"}
+    with pytest.raises(benchlib.RecordError, match="missing theirs"):
+        benchlib.validate_record(missing)
+    with pytest.raises(benchlib.RecordError, match="extra error"):
+        benchlib.validate_record(extra)
+    out = tmp_path / "r.json"
+    with pytest.raises(benchlib.RecordError, match=r"record 1 .*extra error.*r\.json\.invalid"):
+        benchlib.write_records(out, [good, extra])
+    assert not out.exists()                                        # nothing half-valid written
+    assert json.loads((tmp_path / "r.json.invalid").read_text())[1]["error"] == "boom"
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"ours": "fast"}, "ours is text"),
+    ({"theirs": float("nan")}, "theirs is nan"),
+    ({"ours": True}, "ours is a bool"),
+    ({"metric": "decode tok/s"}, "whitespace"),
+    ({"case": ""}, "case must be a non-empty string"),
+    ({"peer": 3}, "peer must be"),
+])
+def test_record_values_are_checked(benchlib, bad, message):
+    rec = {**benchlib.record("c", "ppl", 1.0), **bad}
+    with pytest.raises(benchlib.RecordError, match=message):
+        benchlib.validate_record(rec)
+
+
+def test_write_records_round_trip(benchlib, tmp_path, capsys):
+    recs = [benchlib.record("c", "ppl", np.float32(32.25), peer="llama.cpp", theirs=np.int64(36)),
+            benchlib.error_record("c", "peer build failed", peer="llama.cpp"),
+            benchlib.note_record("c", "peer result cached")]
+    out = benchlib.write_records(tmp_path / "sub" / "r.json", recs)
+    assert f"wrote 3 records to {out}" in capsys.readouterr().out
+    back = benchlib.read_records(out)
+    assert back[0] == {"case": "c", "metric": "ppl", "ours": 32.25, "peer": "llama.cpp", "theirs": 36}
+    assert type(back[0]["theirs"]) is int
+    assert back[1]["metric"] == "error" and back[1]["theirs"] == "peer build failed"
+    assert back[2]["ours"] == "peer result cached"
+
+
+def test_common_args_and_worker_env(benchlib):
+    import argparse
+
+    ap = benchlib.add_common_args(argparse.ArgumentParser(), "quick help")
+    a = ap.parse_args(["--quick", "--json", "x.json"])
+    assert a.quick and a.json == Path("x.json")
+    assert ap.parse_args([]).json is None
+    env = benchlib.worker_env(OMP_NUM_THREADS=2)
+    assert env["PYTHONPATH"].split(":")[0] == str(benchlib.ROOT) and env["OMP_NUM_THREADS"] == "2"
+
+
+SMALL = [
+    {"case": "int4_vs_q4_0/t1", "metric": "decode_ratio_paired", "ours": 1.0412, "peer": "llama.cpp", "theirs": None},
+    {"case": "int4_vs_q4_0/t1", "metric": "decode_tok_s", "ours": 52.61, "peer": "llama.cpp", "theirs": 50.2},
+    {"case": "int4_vs_q4_0/t1", "metric": "peak_rss_mib", "ours": 215.3, "peer": "llama.cpp", "theirs": 222.0},
+    {"case": "int4_vs_q4_0/t2", "metric": "decode_tok_s", "ours": 73.3, "peer": "llama.cpp", "theirs": 77.5},
+    {"case": "int4_vs_q4_1/t1", "metric": "error", "ours": None, "peer": "llama.cpp", "theirs": "no q4_1 GGUF | sorry"},
+    {"case": "machine/t1", "metric": "bandwidth_gb_s", "ours": 11.4, "peer": None, "theirs": None},
+]
+
+
+def test_report_renders_a_results_file(report):
+    got = report.render_file("compare_llamacpp.json", "committed 2026-12-03", SMALL)
+    assert got == """\
+## compare_llamacpp.json
+
+`bench/results/compare_llamacpp.json`, committed 2026-12-03; written by `bench/compare_llamacpp.py`
+
+| case | metric | ours | peer | theirs | ratio |
+|---|---|---|---|---|---|
+| int4_vs_q4_0/t1 | decode_ratio_paired | 1.04 | llama.cpp | — |  |
+| int4_vs_q4_0/t1 | decode_tok_s | 52.61 | llama.cpp | 50.20 | 1.05 |
+| int4_vs_q4_0/t1 | peak_rss_mib | 215.3 | llama.cpp | 222.0 | 0.97 |
+| int4_vs_q4_0/t2 | decode_tok_s | 73.30 | llama.cpp | 77.50 | 0.95 |
+| int4_vs_q4_1/t1 | error | — | llama.cpp | no q4_1 GGUF \\| sorry |  |
+| machine/t1 | bandwidth_gb_s | 11.40 | — | — |  |
+"""
+
+
+def test_report_summary_one_row_per_peer_and_metric(report, tmp_path):
+    (tmp_path / "compare_llamacpp.json").write_text(json.dumps(SMALL))
+    (tmp_path / "other.json").write_text(json.dumps(SMALL[:2]))
+    files = report.load_results(tmp_path)
+    assert [f[0] for f in files] == ["compare_llamacpp.json", "other.json"]
+    assert "not committed" in files[0][1] and re.search(r"\d{4}-\d\d-\d\d", files[0][1])
+    summary = report.render_summary(files)
+    rows = [r for r in summary.splitlines() if r.startswith("| llama.cpp")]
+    # the first case of each metric with both figures; t2 and the error are not repeated
+    assert [r.split(" | ")[1] for r in rows] == ["decode_tok_s", "peak_rss_mib"]
+    assert rows[0].startswith("| llama.cpp | decode_tok_s | 52.61 | 50.20 | 1.05 | int4_vs_q4_0/t1 |")
+    doc = report.render_benchmarks(files)
+    assert doc.startswith(report.PREAMBLE) and doc.count("| case | metric | ours |") == 2
+    assert report.render_summary([]) == report.NO_RESULTS
+
+
+def test_report_fills_the_readme_block(report):
+    text = f"intro\n{report.START}\nold table\n{report.END}\nrest\n"
+    assert report.fill_block(text, "| new |") == f"intro\n{report.START}\n| new |\n{report.END}\nrest\n"
+    with pytest.raises(ValueError, match="results:start"):
+        report.fill_block("no markers here", "x")
+    readme = (BENCH.parent / "README.md").read_text()
+    assert report.fill_block(readme, report.NO_RESULTS)          # the README has the markers
+
+
+def test_bench_scripts_do_not_edit_the_module_search_path():
+    offenders = [p.name for p in BENCH.glob("*.py") if "sys.path" in p.read_text()]
+    assert offenders == []

@@ -1,0 +1,101 @@
+"""The study grid on a tiny model: tables, the content-hash cache (a changed cell re-runs
+alone), a failing cell recorded while the others run (Ray: tests/integration/test_study_ray.py)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from study_tiny import study_config, study_inputs_in, study_numbers
+
+
+@pytest.fixture(scope="module")
+def study_inputs(tmp_path_factory):
+    pytest.importorskip("lm_eval")
+    return study_inputs_in(tmp_path_factory.mktemp("study"))
+
+
+def test_grid_runs_caches_and_reruns_one_changed_cell(study_inputs, tmp_path):
+    from edgeprune.study import run_study
+
+    cache = tmp_path / "cache"
+    cfg = study_config(study_inputs, "rtn:4,wanda:0.5", cache)
+    t1 = run_study(cfg, tmp_path / "out", progress=False, log=lambda m: None)
+    assert [o.status for o in t1.outcomes] == ["computed"] * 3
+    rows = {r["cell"]: r for r in t1.rows()}
+    assert set(rows) == {"dense", "RTN-4 g32", "Wanda-50%"}          # auto group size: 32 divides 64 and 160
+    assert rows["dense"]["kl"] == 0.0 and rows["dense"]["top1"] == 1.0
+    w = rows["Wanda-50%"]
+    assert w["kl"] > 0 and 0 <= w["top1"] <= 1 and math.isfinite(w["snr_db"]) and 0 <= w["cont_change"] <= 1
+    assert 0 <= w["acc:piqa"] <= 1 and w["ppl:deu"] > 0 and w["change:deu"] is not None
+    for name in ("results.csv", "results.md", "results.json"):
+        assert (tmp_path / "out" / name).is_file()
+    assert {p.name.split("-")[-1] for p in (tmp_path / "out/plots").iterdir()} == {
+        "perplexity.png", "languages.png", "tasks.png", "disagreement.png"}
+    assert "| Wanda-50% |" in (tmp_path / "out/results.md").read_text()
+
+    # the same grid again: nothing computed, the same numbers
+    t2 = run_study(cfg, tmp_path / "out", progress=False, log=lambda m: None, plots=False)
+    assert [o.status for o in t2.outcomes] == ["cached"] * 3 and t2.computed() == []
+    assert study_numbers(t2) == study_numbers(t1)
+
+    # one cell changed (wanda 0.5 -> 0.25): only that cell computes
+    cfg3 = study_config(study_inputs, "rtn:4,wanda:0.25", cache)
+    t3 = run_study(cfg3, tmp_path / "out", progress=False, log=lambda m: None, plots=False)
+    assert [o.status for o in t3.outcomes] == ["cached", "cached", "computed"]
+    assert [c for _, c, _ in t3.computed()] == ["Wanda-25%"]
+
+    # a new task computes that task only, on every cell
+    (Path(study_inputs["task_data"]) / "unused").mkdir(exist_ok=True)
+    cfg4 = study_config(study_inputs, "rtn:4,wanda:0.25", cache, limit=5)
+    t4 = run_study(cfg4, tmp_path / "out", progress=False, log=lambda m: None, plots=False)
+    assert all(units == ["task:piqa"] for _, _, units in t4.computed()) and len(t4.computed()) == 3
+
+
+def test_failing_cell_is_recorded_while_the_others_run(study_inputs, tmp_path):
+    from edgeprune.study import run_study
+
+    logs = []
+    cfg = study_config(study_inputs, "rtn:4,wanda:0.5", tmp_path / "cache", group_size=128, tasks=[], langs=None,
+                  task_data=None, limit=None)
+    from edgeprune.study import parse_cells
+
+    cfg.cells = parse_cells("rtn:4,wanda:0.5", 128)
+    cfg.models = cfg.models + [str(tmp_path / "no-such-model")]
+    t = run_study(cfg, tmp_path / "out", progress=False, log=logs.append, plots=False)
+    rows = t.rows()
+    assert [r["status"].split(":")[0] for r in rows[3:]] == ["failed"] * 3     # a model that does not load
+    assert "not found" in rows[3]["status"]
+    status = {r["cell"]: r["status"] for r in rows[:3]}
+    assert status["dense"] == "ok" and status["Wanda-50%"] == "ok"
+    assert status["RTN-4 g128"].startswith("failed: ") and "group_size" in status["RTN-4 g128"]
+    assert any("RTN-4 g128 failed" in m for m in logs)
+    assert "failed: " in (tmp_path / "out/results.md").read_text()
+
+
+def test_grid_parsing_and_bad_input():
+    from edgeprune.errors import ConfigError
+    from edgeprune.study import expand_grid, parse_cells
+
+    cells = parse_cells("gptq:4,awq:4,gptq:8,sparsegpt:0.5,wanda:50%,sparsegpt:2:4")
+    assert [c.label for c in cells] == ["dense", "GPTQ-4", "AWQ-4", "GPTQ-8", "SparseGPT-50%", "Wanda-50%",
+                                        "SparseGPT-2:4"]
+    grid = expand_grid(["gptq", "wanda"], ["4", "8"], ["0.5"], ["2:4"], group_size=64)
+    assert [c.label for c in grid] == ["dense", "GPTQ-4 g64", "GPTQ-8 g64", "Wanda-50%", "Wanda-2:4"]
+    for bad, words in (("nosuch:4", "nosuch"), ("gptq", "METHOD:SETTING"), ("wanda:1.5", "(0, 1)"),
+                       ("wanda:3:2", "0 < N < M"), ("gptq:x", "bit width")):
+        with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            parse_cells(bad)
+    with pytest.raises(ConfigError, match="--bits"):
+        expand_grid(["gptq"], [], ["0.5"], [])
+
+
+def test_auto_group_size():
+    from edgeprune.study.grid import auto_group_size
+
+    assert auto_group_size([576, 1536]) == 64          # SmolLM2-135M: 576 = 4.5 x 128
+    assert auto_group_size([896, 4864]) == 128         # Qwen2.5-0.5B
+    assert auto_group_size([64, 160]) == 32
+    assert auto_group_size([100]) == -1
