@@ -7,7 +7,9 @@ edgeprune. The calibration windows come from edgeprune (``--calib`` .npy of ``in
 (bits, group size, sym), steps (``--iters``), step size (``--lr``) and windows per step
 (``--batch-size``). After ``AutoRound.quantize()`` every tuned linear holds its
 quantize-dequantize weight; the worker checks that each group holds at most ``2**bits``
-distinct values before saving.
+distinct values, then saves the original fp32 model with those tuned linears' weights
+(AutoRound returns a bfloat16 model; its tuned weights are what it computed, the embedding
+and norms stay the dense fp32 ones, as on our side).
 
 Writes ``--result`` JSON: ``{"ok", "seconds" (quantize() wall time), "version", "error"}``.
 """
@@ -64,7 +66,15 @@ def main() -> None:
         res["max_values_per_group"] = worst
         if worst > 2 ** a.bits:
             raise RuntimeError(f"the tuned weights are not on a {a.bits}-bit grid ({worst} values in a group)")
-        qm.save_pretrained(a.out)
+        # AutoRound hands back a bfloat16 model: keep the original fp32 weights everywhere
+        # but in the tuned linears, so only the quantization differs from the dense model
+        out_model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+        tuned = dict(qm.named_modules())
+        with torch.no_grad():
+            for name, mod in out_model.named_modules():
+                if isinstance(mod, torch.nn.Linear) and "layers" in name:
+                    mod.weight.copy_(tuned[name].weight.detach().float())
+        out_model.save_pretrained(a.out)
         tok.save_pretrained(a.out)
         res["ok"] = True
     except BaseException as e:  # noqa: BLE001 - the failure is the result

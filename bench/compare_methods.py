@@ -238,7 +238,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peer", action="store_true", help="run edgeprune only")
     ap.add_argument("--fresh-peers", action="store_true", help="ignore cached peer results")
     ap.add_argument("--peer-timeout", type=float, default=2400.0, help="seconds per peer run")
+    ap.add_argument("--signround-iters", type=int, default=None,
+                    help=f"signed-gradient steps per block for signround_w4g64 and AutoRound alike "
+                         f"(default {SIGNROUND['iters']}, the fast schedule)")
     a = ap.parse_args(argv)
+    if a.signround_iters is not None:
+        if a.signround_iters < 0:
+            ap.error(f"--signround-iters {a.signround_iters} must be >= 0")
+        SIGNROUND["iters"] = a.signround_iters
     nsamples = a.nsamples or (8 if a.quick else 32)
     nwindows = a.nwindows or (10 if a.quick else 40)
 
@@ -265,7 +272,8 @@ def main(argv=None) -> int:
     np.save(calib_path, ids.numpy())
     model_dir = None if a.no_peer else _dense_folder(base, tok)
     console.print(f"calibration: {calib.info['source']} {nsamples}x{a.seqlen} seed {a.seed} (sha {key}); "
-                  f"eval: WikiText-2 test {nwindows}x512; threads {torch.get_num_threads()}")
+                  f"eval: WikiText-2 test {nwindows}x512; threads {torch.get_num_threads()}; "
+                  f"signround/autoround schedule {SIGNROUND}")
 
     records, rows = [], []
     for name, factory, peer_method in all_cases:
