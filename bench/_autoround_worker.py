@@ -22,6 +22,51 @@ import time
 import traceback
 
 
+def _quantize(a, res: dict) -> None:
+    """Tune with AutoRound, check the grid, save the fp32 model with the tuned linears;
+    fills ``res`` (``ok`` last)."""
+    import numpy as np
+    import torch
+    import auto_round
+    from auto_round import AutoRound
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    res["version"] = getattr(auto_round, "__version__", None)
+    ids = torch.from_numpy(np.load(a.calib)).long()
+    rows = [{"input_ids": ids[i:i + 1], "attention_mask": torch.ones_like(ids[i:i + 1])}
+            for i in range(ids.shape[0])]
+    loader = torch.utils.data.DataLoader(rows, batch_size=None, shuffle=False)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(a.model)
+    ar = AutoRound(model, tok, bits=a.bits, group_size=a.group_size, sym=not a.asym, iters=a.iters, lr=a.lr,
+                   minmax_lr=a.lr, batch_size=a.batch_size, nsamples=ids.shape[0], seqlen=ids.shape[1],
+                   dataset=loader, seed=0)
+    t0 = time.perf_counter()
+    ar.quantize()
+    res["seconds"] = time.perf_counter() - t0
+    qm = getattr(ar, "model", model)
+    worst = 0
+    for name, mod in qm.named_modules():
+        if isinstance(mod, torch.nn.Linear) and "layers" in name:
+            w = mod.weight.detach().float()
+            g = w.reshape(w.shape[0], -1, a.group_size)[:, 0]
+            worst = max(worst, max(torch.unique(g[r]).numel() for r in range(min(g.shape[0], 64))))
+    res["max_values_per_group"] = worst
+    if worst > 2 ** a.bits:
+        raise RuntimeError(f"the tuned weights are not on a {a.bits}-bit grid ({worst} values in a group)")
+    # AutoRound hands back a bfloat16 model: keep the original fp32 weights everywhere
+    # but in the tuned linears, so only the quantization differs from the dense model
+    out_model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    tuned = dict(qm.named_modules())
+    with torch.no_grad():
+        for name, mod in out_model.named_modules():
+            if isinstance(mod, torch.nn.Linear) and "layers" in name:
+                mod.weight.copy_(tuned[name].weight.detach().float())
+    out_model.save_pretrained(a.out)
+    tok.save_pretrained(a.out)
+    res["ok"] = True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -37,49 +82,9 @@ def main() -> None:
     a = ap.parse_args()
     res = {"ok": False, "seconds": None, "version": None, "error": None}
     try:
-        import numpy as np
-        import torch
-        import auto_round
-        from auto_round import AutoRound
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        res["version"] = getattr(auto_round, "__version__", None)
-        ids = torch.from_numpy(np.load(a.calib)).long()
-        rows = [{"input_ids": ids[i:i + 1], "attention_mask": torch.ones_like(ids[i:i + 1])}
-                for i in range(ids.shape[0])]
-        loader = torch.utils.data.DataLoader(rows, batch_size=None, shuffle=False)
-        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
-        tok = AutoTokenizer.from_pretrained(a.model)
-        ar = AutoRound(model, tok, bits=a.bits, group_size=a.group_size, sym=not a.asym, iters=a.iters, lr=a.lr,
-                       minmax_lr=a.lr, batch_size=a.batch_size, nsamples=ids.shape[0], seqlen=ids.shape[1],
-                       dataset=loader, seed=0)
-        t0 = time.perf_counter()
-        ar.quantize()
-        res["seconds"] = time.perf_counter() - t0
-        qm = getattr(ar, "model", model)
-        worst = 0
-        for name, mod in qm.named_modules():
-            if isinstance(mod, torch.nn.Linear) and "layers" in name:
-                w = mod.weight.detach().float()
-                g = w.reshape(w.shape[0], -1, a.group_size)[:, 0]
-                worst = max(worst, max(torch.unique(g[r]).numel() for r in range(min(g.shape[0], 64))))
-        res["max_values_per_group"] = worst
-        if worst > 2 ** a.bits:
-            raise RuntimeError(f"the tuned weights are not on a {a.bits}-bit grid ({worst} values in a group)")
-        # AutoRound hands back a bfloat16 model: keep the original fp32 weights everywhere
-        # but in the tuned linears, so only the quantization differs from the dense model
-        out_model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
-        tuned = dict(qm.named_modules())
-        with torch.no_grad():
-            for name, mod in out_model.named_modules():
-                if isinstance(mod, torch.nn.Linear) and "layers" in name:
-                    mod.weight.copy_(tuned[name].weight.detach().float())
-        out_model.save_pretrained(a.out)
-        tok.save_pretrained(a.out)
-        res["ok"] = True
+        _quantize(a, res)
     except BaseException as e:  # noqa: BLE001 - the failure is the result
-        res["error"] = f"{type(e).__name__}: {e}"[:2000]
-        res["traceback"] = traceback.format_exc()[-4000:]
+        res.update(error=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-4000:])
     with open(a.result, "w") as f:
         json.dump(res, f, indent=2)
 
