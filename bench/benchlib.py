@@ -219,6 +219,8 @@ PEER_VENVS = {
     # optimum ~= 2.1: kept out of the project's venv)
     "optimum": (["optimum-onnx[onnxruntime]==0.1.0", "numpy"], "optimum.onnxruntime", {}),
     "llmcompressor": (["llmcompressor==0.14.0.1"], "llmcompressor", {}),
+    # Intel's AutoRound (SignRound), compare_methods.py's signround case (issue 28)
+    "autoround": (["auto-round==0.16.1"], "auto_round", {}),
 }
 
 

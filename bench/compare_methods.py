@@ -25,10 +25,29 @@ groups already compressed (the GPTQ reference code's ``--true-sequential``);
 llm-compressor calibrates every linear of a block from one pass. The ``*_onepass`` cases
 turn it off, so both settings are reported against the same peer figure.
 
+New methods and their peers (issue 28):
+
+* ``signround_w4g64``: our SignRound (``edgeprune.methods.signround``, the "fast" schedule:
+  50 steps, lr 5e-3, 4 windows per step, :data:`SIGNROUND`) vs Intel's AutoRound
+  (``auto-round`` from PyPI in ``.venv-autoround``, ``benchlib.PEER_VENVS["autoround"]``,
+  ``bench/_autoround_worker.py``) with the same windows, grid, steps, step size and windows
+  per step; and vs our ``gptq_w4g64``.
+* ``fista_50`` / ``fista_2:4``: FISTAPruner (``edgeprune.methods.fista``) vs llm-compressor's
+  SparseGPT (the ``sparsegpt`` / ``sparsegpt24`` peer runs) and vs our ``sparsegpt_*`` and
+  ``wanda_*``.
+* ``best-w4``, ``best-w4-signround``, ``best-50``, ``best-2-4``: the shipped presets
+  (``edgeprune/recipes/*.yaml``), with their bits per weight (metric ``bits_per_weight``).
+
+The table "new methods vs edgeprune's own" gives the perplexity ratios against our own
+baselines when both cases ran, with the issue's bounds (SignRound <= 0.97 x GPTQ,
+FISTAPruner <= 0.95 x SparseGPT); those pairs are also records with
+``"peer": "edgeprune <case>"``.
+
 Usage::
 
     .venv/bin/python bench/compare_methods.py --json bench/results/compare_methods.json
     .venv/bin/python bench/compare_methods.py --quick --json bench/results/compare_methods.json
+    .venv/bin/python bench/compare_methods.py --cases gptq_w4g64,signround_w4g64 --json bench/results/signround.json
 
 ``--quick``: dense, RTN, GPTQ and Wanda only, 8 x 512 calibration windows, 10 evaluation
 windows: ours and the peer's compressions plus 7 perplexity passes, several minutes on 2
@@ -38,7 +57,7 @@ from the cache on later runs.
 Peer results are cached under ``bench/.cache/peers/`` keyed by method and calibration;
 a cached figure is reused (and labelled ``cached`` in the table and a ``note`` record)
 unless ``--fresh-peers``. Timing on this shared 2-core machine is noisy (other jobs run).
-Metrics: ``ppl``, ``compress_s``; a failure is an ``error`` record, never hidden.
+Metrics: ``ppl``, ``compress_s``, ``bits_per_weight``; a failure is an ``error`` record, never hidden.
 """
 
 from __future__ import annotations
@@ -64,8 +83,8 @@ PEER = "llm-compressor"
 
 def cases(group_size: int = 64):
     """(case name, edgeprune config factory or None for dense, peer method key or None)."""
-    from edgeprune.recipe import (AWQConfig, GPTQConfig, MagnitudeConfig, RTNConfig,
-                                  SparseGPTConfig, WandaConfig)
+    from edgeprune.recipe import (AWQConfig, FISTAConfig, GPTQConfig, MagnitudeConfig, RTNConfig,
+                                  SignRoundConfig, SparseGPTConfig, WandaConfig)
     g = group_size
     return [
         ("dense", None, None),
@@ -87,7 +106,34 @@ def cases(group_size: int = 64):
         ("wanda_2:4", lambda: WandaConfig(prune_n=2, prune_m=4), "wanda24"),
         ("magnitude_50", lambda: MagnitudeConfig(sparsity=0.5), None),
         ("magnitude_2:4", lambda: MagnitudeConfig(prune_n=2, prune_m=4), None),
+        # SignRound (ours) vs AutoRound (auto-round from PyPI): same windows, grid, steps,
+        # step size and windows per step (SIGNROUND below)
+        (f"signround_w4g{g}", lambda: SignRoundConfig(bits=4, group_size=g, sym=True, **SIGNROUND), AUTOROUND),
+        ("fista_50", lambda: FISTAConfig(sparsity=0.5), "sparsegpt"),
+        ("fista_2:4", lambda: FISTAConfig(prune_n=2, prune_m=4), "sparsegpt24"),
+        # the shipped presets (edgeprune/recipes/*.yaml)
+        ("best-w4", lambda: _preset("best-w4"), None),
+        ("best-w4-signround", lambda: _preset("best-w4-signround"), None),
+        ("best-50", lambda: _preset("best-50"), None),
+        ("best-2-4", lambda: _preset("best-2-4"), None),
     ]
+
+
+def _preset(name: str):
+    from edgeprune.pipeline import resolve_recipe
+    from edgeprune.recipe import Recipe
+    return Recipe.from_file(resolve_recipe(name))
+
+
+#: the SignRound / AutoRound schedule compared: AutoRound's "light" recipe (50 steps,
+#: lr 5e-3) with 4 calibration windows per step, our "fast" default
+SIGNROUND = {"iters": 50, "lr": 5e-3, "batch_size": 4}
+AUTOROUND = "autoround"
+
+
+def _peer_name(method) -> str:
+    """The peer tool that runs ``method`` (a case's peer key)."""
+    return "auto-round" if method == AUTOROUND else PEER
 
 
 QUICK_CASES = ("dense", "rtn_w4g64", "gptq_w4g64", "wanda_50")
@@ -112,17 +158,19 @@ def _dense_folder(model, tok) -> Path:
 
 def _peer_run(method: str, model_dir: Path, calib_path: Path, key: str, nwindows: int, tok,
               fresh: bool, timeout: float, log: Path) -> dict:
-    """Run llm-compressor (or reuse its cached result): {"ppl", "seconds", "error", "note"}."""
+    """Run llm-compressor or AutoRound (or reuse its cached result):
+    {"ppl", "seconds", "error", "note"}."""
     cdir = CACHE / "peers"
     cdir.mkdir(parents=True, exist_ok=True)
-    cfile = cdir / f"{method}-{key}-w{nwindows}.json"
+    sched = "-".join(f"{k}{v}" for k, v in SIGNROUND.items()) if method == AUTOROUND else ""
+    cfile = cdir / f"{method}{sched and '-' + sched}-{key}-w{nwindows}.json"
     if cfile.exists() and not fresh:
         rec = json.loads(cfile.read_text())
         rec["note"] = f"cached {rec.get('when', '?')} ({cfile.name})"
         return rec
     rec = {"ppl": None, "seconds": None, "error": None, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     try:
-        py = benchlib.ensure_peer("llmcompressor", log=log)
+        py = benchlib.ensure_peer("autoround" if method == AUTOROUND else "llmcompressor", log=log)
     except RuntimeError as e:
         rec["error"] = f"peer venv setup failed: {e}"
         return rec
@@ -132,9 +180,13 @@ def _peer_run(method: str, model_dir: Path, calib_path: Path, key: str, nwindows
         res_file.unlink()
     import shutil
     shutil.rmtree(out, ignore_errors=True)
-    r = benchlib.run_peer(py, [str(benchlib.BENCH / "_llmc_worker.py"), "--model", str(model_dir), "--calib",
-                      str(calib_path), "--method", method, "--out", str(out), "--result", str(res_file)],
-                 timeout=timeout, log=log)
+    if method == AUTOROUND:
+        args = [benchlib.BENCH / "_autoround_worker.py", "--iters", SIGNROUND["iters"],
+                "--lr", SIGNROUND["lr"], "--batch-size", SIGNROUND["batch_size"]]
+    else:
+        args = [benchlib.BENCH / "_llmc_worker.py", "--method", method]
+    r = benchlib.run_peer(py, args + ["--model", model_dir, "--calib", calib_path, "--out", out,
+                                      "--result", res_file], timeout=timeout, log=log)
     res = json.loads(res_file.read_text()) if res_file.exists() else {
         "ok": False, "error": f"worker exited rc={r['rc']}: {r['tail'][-600:]}"}
     rec["version"] = res.get("version")
@@ -151,6 +203,30 @@ def _peer_run(method: str, model_dir: Path, calib_path: Path, key: str, nwindows
     return rec
 
 
+#: (new method's case, our baseline's case, the issue's bound on the perplexity ratio or None)
+VS_OURS = [("signround_w4g64", "gptq_w4g64", 0.97), ("fista_50", "sparsegpt_50", 0.95), ("fista_50", "wanda_50", None),
+           ("fista_2:4", "sparsegpt_2:4", 0.95), ("fista_2:4", "wanda_2:4", None)]
+
+
+def _vs_ours(rows, records, console, Table, f) -> None:
+    """SignRound vs our GPTQ, FISTAPruner vs our SparseGPT / Wanda (same run, same
+    calibration): one record per pair whose both cases ran (``peer`` = ``"edgeprune <case>"``)."""
+    got = {r[0]: r for r in rows}
+    t = Table(title="new methods vs edgeprune's own (same calibration; perplexity ratio; seconds noisy)")
+    for col in ("case", "vs", "ppl", "ppl vs", "ratio", "bound", "ok", "s", "s vs"):
+        t.add_column(col)
+    for new, base, bound in VS_OURS:
+        if new not in got or base not in got or got[new][1] is None or got[base][1] is None:
+            continue
+        po, pb = got[new][1], got[base][1]
+        ok = "—" if bound is None else ("yes" if po / pb <= bound else "NO")
+        t.add_row(new, base, f(po), f(pb), f(po / pb, "{:.3f}"), "—" if bound is None else f"<= {bound}", ok,
+                  f(got[new][3], "{:.0f}"), f(got[base][3], "{:.0f}"))
+        records.append(benchlib.record(new, "ppl", po, peer=f"edgeprune {base}", theirs=pb))
+    if t.row_count:
+        console.print(t)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     benchlib.add_common_args(ap, "8x512 calibration, 10 eval windows, dense/RTN/GPTQ/Wanda only")
@@ -162,7 +238,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peer", action="store_true", help="run edgeprune only")
     ap.add_argument("--fresh-peers", action="store_true", help="ignore cached peer results")
     ap.add_argument("--peer-timeout", type=float, default=2400.0, help="seconds per peer run")
+    ap.add_argument("--signround-iters", type=int, default=None,
+                    help=f"signed-gradient steps per block for signround_w4g64 and AutoRound alike "
+                         f"(default {SIGNROUND['iters']}, the fast schedule)")
     a = ap.parse_args(argv)
+    if a.signround_iters is not None:
+        if a.signround_iters < 0:
+            ap.error(f"--signround-iters {a.signround_iters} must be >= 0")
+        SIGNROUND["iters"] = a.signround_iters
     nsamples = a.nsamples or (8 if a.quick else 32)
     nwindows = a.nwindows or (10 if a.quick else 40)
 
@@ -189,7 +272,8 @@ def main(argv=None) -> int:
     np.save(calib_path, ids.numpy())
     model_dir = None if a.no_peer else _dense_folder(base, tok)
     console.print(f"calibration: {calib.info['source']} {nsamples}x{a.seqlen} seed {a.seed} (sha {key}); "
-                  f"eval: WikiText-2 test {nwindows}x512; threads {torch.get_num_threads()}")
+                  f"eval: WikiText-2 test {nwindows}x512; threads {torch.get_num_threads()}; "
+                  f"signround/autoround schedule {SIGNROUND}")
 
     records, rows = [], []
     for name, factory, peer_method in all_cases:
@@ -206,6 +290,9 @@ def main(argv=None) -> int:
                 res = compress(m, factory(), ids, progress=False, measure_errors=False)
                 ours_s = time.perf_counter() - t0
                 ours_ppl = _ppl(m, tok, nwindows)
+                bpw = res.summary()["avg_bits_per_weight"]
+                if bpw is not None:
+                    records.append(benchlib.record(name, "bits_per_weight", bpw))
                 if res.fallbacks:
                     err = f"{len(res.fallbacks)} fallbacks: {res.fallbacks[0]}"
             except Exception as e:  # noqa: BLE001 - recorded, the bench goes on
@@ -216,10 +303,10 @@ def main(argv=None) -> int:
         if peer_method and not a.no_peer:
             peer = _peer_run(peer_method, model_dir, calib_path, key, nwindows, tok, a.fresh_peers,
                              a.peer_timeout, log)
-        note = "; ".join(x for x in (err, peer.get("error") and f"{PEER}: {peer['error']}",
+        note = "; ".join(x for x in (err, peer.get("error") and f"{_peer_name(peer_method)}: {peer['error']}",
                                      peer.get("note")) if x)
         has_peer = bool(peer_method) and not a.no_peer
-        pname = PEER if has_peer else None
+        pname = _peer_name(peer_method) if has_peer else None
         for metric, ours, theirs in (("ppl", ours_ppl, peer.get("ppl")),
                                      ("compress_s", ours_s, peer.get("seconds"))):
             if metric == "compress_s" and factory is None:
@@ -232,7 +319,7 @@ def main(argv=None) -> int:
             records.append(benchlib.error_record(name, peer["error"], peer=pname))
         if has_peer and peer.get("note"):
             records.append(benchlib.note_record(name, peer["note"], peer=pname))
-        rows.append((name, ours_ppl, peer.get("ppl"), ours_s, peer.get("seconds"), note))
+        rows.append((name, ours_ppl, peer.get("ppl"), ours_s, peer.get("seconds"), note, pname))
         console.print(f"[bold]{name}[/]: ppl {ours_ppl} / {peer.get('ppl')}  s {ours_s} / {peer.get('seconds')}"
                       + (f"  ({note})" if note else ""))
         if a.json:
@@ -241,17 +328,18 @@ def main(argv=None) -> int:
     def f(x, fmt="{:.2f}"):
         return "—" if x is None else fmt.format(x)
 
-    t = Table(title=f"edgeprune vs {PEER} — SmolLM2-135M, calib C4 {nsamples}x{a.seqlen}, "
+    t = Table(title=f"edgeprune vs {PEER} / auto-round — SmolLM2-135M, calib C4 {nsamples}x{a.seqlen}, "
                     f"WikiText-2 {nwindows}x512 (seconds: shared 2-core machine, noisy)")
-    for col in ("case", "ppl ours", "ppl theirs", "ppl ratio", "s ours", "s theirs", "s ratio", "ok", "note"):
+    for col in ("case", "peer", "ppl ours", "ppl theirs", "ppl ratio", "s ours", "s theirs", "s ratio", "ok", "note"):
         t.add_column(col)
-    for name, po, pt, so, st, note in rows:
+    for name, po, pt, so, st, note, pn in rows:
         pr = po / pt if po and pt else None
         sr = so / st if so and st else None
         ok = "—" if pr is None else ("yes" if pr <= 1.005 and (sr is None or sr <= 1.0) else "NO")
-        t.add_row(name, f(po), f(pt), f(pr, "{:.3f}"), f(so, "{:.1f}"), f(st, "{:.1f}"), f(sr, "{:.2f}"), ok,
-                  (note or "")[:80])
+        t.add_row(name, pn if pt is not None else "—", f(po), f(pt), f(pr, "{:.3f}"), f(so, "{:.1f}"),
+                  f(st, "{:.1f}"), f(sr, "{:.2f}"), ok, (note or "")[:80])
     console.print(t)
+    _vs_ours(rows, records, console, Table, f)
     if a.json:
         benchlib.write_records(a.json, records)
     return 0

@@ -6,9 +6,11 @@ method     kind   paper
 magnitude  prune  baseline (|W|)
 wanda      prune  Sun et al., "A Simple and Effective Pruning Approach for LLMs", ICLR 2024
 sparsegpt  prune  Frantar & Alistarh, "SparseGPT", ICML 2023
+fista      prune  Zhao et al., "FISTAPruner: Layer-wise Post-training Pruning for LLMs", 2024
 rtn        quant  baseline (round-to-nearest)
 gptq       quant  Frantar et al., "GPTQ", ICLR 2023
 awq        quant  Lin et al., "AWQ", MLSys 2024
+signround  quant  Cheng et al., "Optimize Weight Rounding via Signed Gradient Descent" (AutoRound), 2023
 =========  =====  ===========================================================
 
 Adding a method: one file ``methods/<name>.py`` holding its config (a dataclass deriving
@@ -29,9 +31,11 @@ from .registry import (CONFIGS, METHODS, config_class, config_classes, get_metho
 from . import magnitude  # noqa: E402,F401
 from . import wanda  # noqa: E402,F401
 from . import sparsegpt  # noqa: E402,F401
+from . import fista  # noqa: E402,F401
 from . import rtn  # noqa: E402,F401
 from . import gptq  # noqa: E402,F401
 from . import awq  # noqa: E402,F401
+from . import signround  # noqa: E402,F401
 
 from .gptq import gptq_quantize  # noqa: E402
 from .magnitude import magnitude_prune  # noqa: E402

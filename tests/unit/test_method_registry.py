@@ -22,7 +22,7 @@ from edgeprune.recipe import (AWQConfig, GPTQConfig, Recipe, RTNConfig, SparseGP
                               method_config_from_name)
 
 ROOT = Path(__file__).resolve().parents[2]
-BUILTIN = ["magnitude", "wanda", "sparsegpt", "rtn", "gptq", "awq"]
+BUILTIN = ["magnitude", "wanda", "sparsegpt", "fista", "rtn", "gptq", "awq", "signround"]
 
 
 def _ids(n=4, s=24, seed=3):
@@ -152,7 +152,7 @@ def test_registered_method_layer_check_runs_before_any_change(row_prune, tiny_ll
 
 def test_unknown_name_lists_the_registered_methods(row_prune):
     with pytest.raises(ConfigError, match=r"unknown compression method 'row_prun' \(fix: use one of "
-                                          r"awq, gptq, magnitude, row_prune, rtn, sparsegpt, wanda\)"):
+                                          r"awq, fista, gptq, magnitude, row_prune, rtn, signround, sparsegpt, wanda\)"):
         Recipe.from_dict({"stages": [{"method": "row_prun"}]})
     with pytest.raises(ConfigError, match="is taken by RowPruneConfig"):
         register_method(row_prune)

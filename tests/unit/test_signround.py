@@ -1,0 +1,171 @@
+"""SignRound (edgeprune.methods.signround): RTN at zero steps, the learned grid, the
+export parity of its codes, composition with pruning and AWQ, bad settings."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from edgeprune.engine import compress
+from edgeprune.errors import ConfigError
+from edgeprune.methods.signround import SignRound, SignRoundConfig, signround_grid
+from edgeprune.quantize import qparams
+from edgeprune.recipe import AWQConfig, Recipe, RTNConfig, SparseGPTConfig
+
+from tiny import byte_tokenizer, rand_ids
+
+
+def _calib(n=8, s=32, seed=1):
+    return torch.randint(0, 256, (n, s), generator=torch.Generator().manual_seed(seed))
+
+
+def _linears(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "layers" in n}
+
+
+@pytest.mark.parametrize("bits,group_size,sym", [(4, 32, False), (4, 32, True), (2, -1, True), (3, 32, False),
+                                                 (8, -1, False)])
+def test_zero_iterations_equals_rtn_exactly(tiny_llama, bits, group_size, sym):
+    ids = _calib()
+    rtn_model = copy.deepcopy(tiny_llama)
+    ref = compress(rtn_model, RTNConfig(bits=bits, group_size=group_size, sym=sym), ids, progress=False)
+    res = compress(tiny_llama, SignRoundConfig(bits=bits, group_size=group_size, sym=sym, iters=0), ids,
+                   progress=False)
+    assert set(res.quantized) == set(ref.quantized) == set(_linears(tiny_llama))
+    for name, q in res.quantized.items():
+        r = ref.quantized[name]
+        assert torch.equal(q.codes, r.codes) and torch.equal(q.scales, r.scales) and torch.equal(q.zeros, r.zeros)
+        assert torch.equal(tiny_llama.get_submodule(name).weight, rtn_model.get_submodule(name).weight)
+
+
+@pytest.mark.parametrize("sym", [False, True])
+def test_unit_clipping_is_the_rtn_grid_bit_for_bit(sym):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 64, generator=g) * torch.rand(300, 1, generator=g)
+    w[3] = 0.0                       # an all-zero group gets scale 1
+    w[4] = w[4].abs()                # a group without negatives
+    for bits in (2, 3, 4, 8):
+        s_ref, z_ref = qparams(w, bits, sym)
+        wmin = w.amin(1, keepdim=True).clamp(max=0)
+        wmax = w.amax(1, keepdim=True).clamp(min=0)
+        s, z = signround_grid(wmin, wmax, torch.ones_like(wmin), torch.ones_like(wmax), bits, sym)
+        assert torch.equal(s, s_ref) and torch.equal(z, z_ref)
+
+
+def _block_error(model, dense, ids):
+    with torch.no_grad():
+        a = model.model(ids).last_hidden_state
+        b = dense.model(ids).last_hidden_state
+    return float(((a - b) ** 2).mean())
+
+
+@pytest.mark.parametrize("sym", [False, True])
+def test_tuning_lowers_the_output_error_below_rtn(tiny_llama, sym):
+    ids = _calib(8, 48)
+    dense = copy.deepcopy(tiny_llama)
+    rtn = copy.deepcopy(tiny_llama)
+    compress(rtn, RTNConfig(bits=3, group_size=32, sym=sym), ids, progress=False)
+    sr = copy.deepcopy(tiny_llama)
+    res = compress(sr, SignRoundConfig(bits=3, group_size=32, sym=sym, iters=60, batch_size=4), ids,
+                   progress=False)
+    held_out = _calib(8, 48, seed=7)
+    assert _block_error(sr, dense, held_out) < 0.9 * _block_error(rtn, dense, held_out)
+    for name, mod in _linears(sr).items():  # the model holds exactly the codes' dequantization
+        q = res.quantized[name]
+        assert torch.equal(mod.weight.detach(), q.dequantize()) and int(q.codes.max()) <= 7
+        per_row = max(torch.unique(mod.weight[r, :32]).numel() for r in range(mod.weight.shape[0]))
+        assert per_row <= 8
+
+
+def test_learned_offsets_and_clipping_stay_in_bounds(tiny_llama):
+    meth = SignRound(SignRoundConfig(bits=4, group_size=32, iters=30, lr=0.2, batch_size=2))
+    block = tiny_llama.model.layers[0]
+    from edgeprune.blocks import capture_block_inputs
+    from edgeprune.methods.base import InputStats, LayerTask
+    batches = capture_block_inputs(tiny_llama, tiny_llama.model.layers, _calib(), None, 4, torch.device("cpu"))
+    tasks = [LayerTask(name=f"model.layers.0.{n}", module=m, weight=m.weight.detach().float().clone(), mask=None,
+                       stats=InputStats.empty(m.in_features, False))
+             for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)]
+    seen = []
+    orig = SignRound._tune
+
+    def spy(self, block, layers, *a):
+        best, losses = orig(self, block, layers, *a)
+        seen.extend(best)
+        return best, losses
+
+    SignRound._tune = spy
+    try:
+        with torch.no_grad():
+            meth.compress_block(block, tasks, inputs=batches)
+    finally:
+        SignRound._tune = orig
+    assert seen and meth.last_losses[0][1] <= meth.last_losses[0][0]
+    for v, a, b in seen:
+        assert float(v.abs().max()) <= 0.5 and float(a.min()) >= 0 and float(b.max()) <= 1
+
+
+def test_packed_int4_export_matches_the_fake_quant_model(tiny_llama, tmp_path):
+    import exporters
+    import runtime
+
+    res = compress(tiny_llama, SignRoundConfig(bits=4, group_size=32, iters=20, batch_size=4), _calib(),
+                   progress=False)
+    ids = rand_ids(40, seed=11)
+    with torch.no_grad():
+        ref = tiny_llama(torch.from_numpy(ids)).logits.float().numpy()
+    exporters.export_onnx(tiny_llama, byte_tokenizer(), tmp_path / "m", precision="int4",
+                          quantized=res.quantized, accuracy_level=0, lm_head="fp", max_length=128, overwrite=True)
+    with runtime.load(tmp_path / "m") as s:
+        np.testing.assert_allclose(s.logits(ids), ref, atol=1e-4)
+
+
+def test_after_sparsegpt_24_a_pruned_weight_stays_zero(tiny_llama):
+    res = compress(tiny_llama, [SparseGPTConfig(prune_n=2, prune_m=4),
+                                SignRoundConfig(bits=4, group_size=32, iters=10, batch_size=4)], _calib(),
+                   progress=False)
+    for name, mod in _linears(tiny_llama).items():
+        w, q, keep = mod.weight.detach(), res.quantized[name], res.masks[name]
+        assert torch.equal(w == 0, ~keep | (w == 0)) and not bool((w[~keep] != 0).any())
+        nz = (keep.reshape(w.shape[0], -1, 4)).sum(-1)
+        assert int(nz.max()) <= 2
+        zeros = q.zeros.long().repeat_interleave(32, 1)
+        assert torch.equal(q.codes.long()[~keep], zeros[~keep])  # the zero point: exactly 0
+        assert torch.equal(w, q.dequantize())
+
+
+def test_after_awq_scales(tiny_qwen2):
+    res = compress(tiny_qwen2, [AWQConfig(group_size=32), SignRoundConfig(group_size=32, iters=5, batch_size=4)],
+                   _calib(), progress=False)
+    assert set(res.quantized) == set(_linears(tiny_qwen2))
+    assert all(q.meta["method"] == "signround" for q in res.quantized.values())
+    assert all(bool(torch.isfinite(m.weight).all()) for m in _linears(tiny_qwen2).values())
+
+
+def test_schedules():
+    assert SignRoundConfig().resolved() == (50, 5e-3, 5e-3, 4)
+    assert SignRoundConfig(schedule="thorough").resolved() == (200, 1 / 200, 1 / 200, 8)
+    assert SignRoundConfig(iters=100).resolved() == (100, 0.01, 0.01, 4)
+    assert SignRoundConfig(iters=100, lr=0.02, minmax_lr=0.01, batch_size=2).resolved() == (100, 0.02, 0.01, 2)
+    r = Recipe.from_dict({"stages": [{"method": "signround", "schedule": "thorough", "group_size": 32}]})
+    assert r.stages[0].resolved()[0] == 200
+
+
+@pytest.mark.parametrize("opts,match", [
+    ({"iters": -1}, "iters=-1 must be >= 0"),
+    ({"lr": 0.0}, "lr=0.0 must be a positive number"),
+    ({"lr": -0.1}, "lr=-0.1 must be a positive number"),
+    ({"minmax_lr": 0}, "minmax_lr=0 must be a positive number"),
+    ({"batch_size": 0}, "batch_size=0 must be >= 1"),
+    ({"schedule": "slow"}, "schedule='slow' is unknown"),
+    ({"bits": 5}, "bits=5 is not supported"),
+    ({"iters": "50"}, "must be an integer"),
+])
+def test_bad_settings_are_refused(opts, match):
+    with pytest.raises(ConfigError, match=match):
+        SignRoundConfig.from_options(**opts)
+    with pytest.raises(ConfigError, match=match):
+        Recipe.from_dict({"stages": [{"method": "signround", **opts}]}).validate()
