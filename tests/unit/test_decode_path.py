@@ -106,3 +106,33 @@ def test_report_rows_label_the_export_and_the_pytorch_figures(tiny_export):
     assert next_commands("runs/demo/onnx-compressed") == [
         "edgeprune chat runs/demo/onnx-compressed", "edgeprune serve runs/demo/onnx-compressed",
         "edgeprune profile runs/demo/onnx-compressed"]
+
+
+def test_run_cli_labels_the_export_and_prints_the_next_commands(tmp_path, capsys):
+    """`edgeprune run` end to end on a tiny model: the table's columns say where each figure
+    comes from, the decode-path rows are there, and the next three commands are printed."""
+    import json
+
+    from _cli import run_cli
+    from tiny import tiny_model, byte_tokenizer
+    from transformers import LlamaConfig
+
+    d = tmp_path / "tiny"
+    tiny_model(LlamaConfig).save_pretrained(d)
+    byte_tokenizer().save_pretrained(d)
+    out = tmp_path / "run"
+    code, so, err = run_cli(["run", "--model", d, "--method", "rtn", "--group-size", "32", "--calib", "default",
+                             "--nsamples", "2",
+                             "--seqlen", "32", "--eval-seqlen", "32", "--eval-nwindows", "2",
+                             "--decode-windows", "1", "--accuracy-level-for", "down_proj=0",
+                             "--threads", "1", "--prompt-len", "8", "--gen-len", "4", "--repeat", "1",
+                             "--out", out], capsys)
+    assert code == 0, err
+    flat = " ".join(so.split())
+    assert "ONNX export" in flat and "PyTorch fake-quant" in flat and "decode path" in flat
+    for verb in ("chat", "serve", "profile"):
+        assert f"edgeprune {verb} {out / 'onnx-compressed'}" in so
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    assert rows["perplexity (one pass)"]["pytorch"] > 0 and rows["perplexity (decode path)"]["compressed"] > 0
+    meta = json.loads((out / "onnx-compressed" / "edgeprune.json").read_text())
+    assert meta["quantization"]["accuracy_levels"] == {"down_proj": 0}
