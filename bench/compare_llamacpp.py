@@ -42,6 +42,16 @@ first alternates between rounds); peer ``"llama.cpp"``. A failure is recorded (t
 null, plus an ``error`` record holding the message), not hidden.
 Timings on a shared 2-core machine are noisy: differences under 10-15 % are noise.
 
+Decode-path fidelity (``--path-tokens 512``, 0 = skip): on the first 512 WikiText-2 tokens
+(the same ids on both sides), each runtime's logits of one teacher-forced pass vs the same
+tokens fed one by one through its KV cache (ours: ``Session.logits`` vs the generation
+loop's prefill + decode steps, ``edgeprune.evaluation.decode_path``; llama.cpp:
+``logits_all`` on one ``eval`` of the window vs ``eval`` token by token after a reset).
+Records per pair ``int4_vs_q4_0/decode_path``: ``path_argmax_agreement`` (share of
+positions with the same argmax on both paths), ``path_max_abs_dlogit`` and
+``path_mean_abs_dlogit``. Perplexity is computed in one pass; this says how far decoding
+is from it (int8-activation int4 kernels run differently on a 1-token and an S-token batch).
+
 ``--lookup K`` runs both sides with prompt-lookup speculative decoding instead (ours:
 ``generate(prompt_lookup_num_tokens=K)``; llama-cpp-python: its own
 ``LlamaPromptLookupDecoding(num_pred_tokens=K)`` through ``Llama.generate``), greedy, each on
@@ -262,6 +272,56 @@ def worker_ppl_llamacpp(gguf: str, windows_json: str, threads: int) -> dict:
     return _nll_of_windows(fn, windows)
 
 
+def _path_stats(one_pass, decode) -> dict:
+    """One pass vs decode path of the same positions (``float [S, vocab]`` each): argmax
+    agreement, max and mean ``|dlogit|`` (the same numpy code for both runtimes)."""
+    import numpy as np
+
+    a, b = np.asarray(one_pass, np.float64), np.asarray(decode, np.float64)
+    d = np.abs(a - b)
+    return {"argmax_agreement": float((a.argmax(-1) == b.argmax(-1)).mean()),
+            "max_abs_dlogit": float(d.max()), "mean_abs_dlogit": float(d.mean()), "tokens": int(a.shape[0])}
+
+
+def worker_paths_ours(folder: str, windows_json: str, threads: int) -> dict:
+    """Decode-path fidelity of our export: each window's logits in one pass
+    (``Session.logits``) vs token by token through the KV cache (the generation loop's
+    own prefill and decode steps: ``edgeprune.evaluation.decode_path``)."""
+    import numpy as np
+
+    import runtime
+    from edgeprune.evaluation.decode_path import decode_path_logits
+
+    windows = json.loads(Path(windows_json).read_text())
+    s = runtime.load(folder, threads=threads, max_length=len(windows[0]) + 8)
+    one = np.concatenate([s.logits(np.array([w], np.int64))[0] for w in windows])
+    dec = np.concatenate([decode_path_logits(s, w) for w in windows])
+    return _path_stats(one, dec)
+
+
+def worker_paths_llamacpp(gguf: str, windows_json: str, threads: int) -> dict:
+    """The same through llama-cpp-python: ``logits_all`` on a one-pass eval of the window
+    (one batch of S tokens) vs an eval token by token (S one-token batches) after a reset."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    windows = json.loads(Path(windows_json).read_text())
+    S = len(windows[0])
+    llm = Llama(model_path=gguf, n_ctx=S + 8, n_batch=S, n_ubatch=S, n_threads=threads,
+                n_threads_batch=threads, logits_all=True, verbose=False)
+    nv = llm.n_vocab()
+    one, dec = [], []
+    for w in windows:
+        llm.reset()
+        llm.eval(w)
+        one.append(np.array(llm.scores[:len(w), :nv]))
+        llm.reset()
+        for t in w:
+            llm.eval([t])
+        dec.append(np.array(llm.scores[:len(w), :nv]))
+    return _path_stats(np.concatenate(one), np.concatenate(dec))
+
+
 def worker_quantize(src: str, dst: str, ftype: str) -> dict:
     """Re-quantize a GGUF with llama.cpp's own quantizer (Q4_1 -> F32 -> Q4_0)."""
     import ctypes
@@ -353,6 +413,44 @@ def ensure_gguf(py: str | None, quant: str, log) -> Path | None:
     return dst if dst.exists() else None
 
 
+#: decode-path metrics of :func:`_path_stats` recorded as ``path_<name>``.
+PATH_METRICS = ("argmax_agreement", "max_abs_dlogit", "mean_abs_dlogit")
+
+
+def decode_path_fidelity(n_tokens, ours_dirs, ours_errs, ggufs, py, threads, log) -> dict:
+    """``{variant or quant: _path_stats or {"error"}}`` on the first ``n_tokens`` WikiText-2
+    tokens (one window, the same ids on both sides); ``{}`` when skipped."""
+    from tokenizers import Tokenizer
+
+    first = next((d for v, d in ours_dirs.items() if not ours_errs[v]), None)
+    if not n_tokens or first is None or not benchlib.WIKI.exists():
+        return {}
+    tk = Tokenizer.from_file(str(first / "tokenizer.json"))
+    wfile = CACHE / f"wikitext_path_window_{n_tokens}.json"
+    wfile.write_text(json.dumps([tk.encode(benchlib.WIKI.read_text(), add_special_tokens=False).ids[:n_tokens]]))
+    out = {v: _spawn(sys.executable, "paths_ours", [str(d), str(wfile), threads], 3600)
+           for v, d in ours_dirs.items() if not ours_errs[v]}
+    out.update({q: _spawn(py, "paths_llamacpp", [str(g), str(wfile), threads], 3600)
+                for q, g in ggufs.items() if py and g is not None})
+    log(f"decode path vs one pass ({n_tokens} WikiText-2 tokens): " + ", ".join(
+        f"{k} argmax agreement {r['argmax_agreement']:.4f}, max |dlogit| {r['max_abs_dlogit']:.3g}"
+        if "error" not in r else f"{k} FAILED {r['error'][:200]}" for k, r in out.items()))
+    return out
+
+
+def path_records(case: str, ours, theirs) -> list:
+    """Records of the decode-path fidelity of one pair (``path_argmax_agreement`` ...),
+    with an error record for a side that failed."""
+    if not ours and not theirs:
+        return []
+    recs = [benchlib.record(case, f"path_{m}", (ours or {}).get(m), peer=PEER, theirs=(theirs or {}).get(m))
+            for m in PATH_METRICS]
+    for side, r in (("ours", ours), ("theirs", theirs)):
+        if r and "error" in r:
+            recs.append(benchlib.error_record(case, r["error"], peer=PEER, side=side))
+    return recs
+
+
 def _median(runs, key):
     vals = [r[key] for r in runs if key in r]
     return statistics.median(vals) if vals else None
@@ -377,6 +475,9 @@ def main(argv=None) -> int:
                                                           benchlib.OURS_VARIANTS.items()))
     ap.add_argument("--ppl-windows", type=int, default=None,
                     help="WikiText-2 windows of 512 for the side-by-side perplexity (40; quick 4; 0 = skip)")
+    ap.add_argument("--path-tokens", type=int, default=512,
+                    help="decode-path fidelity on this many WikiText-2 tokens (the first ones; 0 = skip): "
+                         "one pass vs token by token through the KV cache, both runtimes")
     ap.add_argument("--lookup", type=int, default=0,
                     help="prompt-lookup speculative decoding on both sides, up to this many draft "
                          "tokens (ours: prompt_lookup_num_tokens; llama-cpp-python: "
@@ -387,7 +488,8 @@ def main(argv=None) -> int:
     if a.worker:
         mode, *rest = a.worker
         fn = {"ours": worker_ours, "llamacpp": worker_llamacpp, "quantize": worker_quantize,
-              "ppl_ours": worker_ppl_ours, "ppl_llamacpp": worker_ppl_llamacpp}[mode]
+              "ppl_ours": worker_ppl_ours, "ppl_llamacpp": worker_ppl_llamacpp,
+              "paths_ours": worker_paths_ours, "paths_llamacpp": worker_paths_llamacpp}[mode]
         conv = [rest[0]] + [int(x) if x.isdigit() else x for x in rest[1:]]
         print(json.dumps(fn(*conv)))
         return 0
@@ -452,6 +554,9 @@ def main(argv=None) -> int:
             log("WikiText-2 perplexity (%d x 512, no BOS): " % len(wins) +
                 ", ".join(f"{k} {r.get('ppl', float('nan')):.2f}" if "ppl" in r else f"{k} FAILED {r.get('error', '')[:200]}"
                           for k, r in ppl.items()))
+
+    # --- decode-path fidelity: one pass vs token by token through the KV cache, same ids
+    paths = decode_path_fidelity(a.path_tokens, ours_dirs, ours_errs, ggufs, py, max(a.threads), log)
 
     # --- runs (interleaved so that machine load drifts affect both sides alike)
     results: dict[tuple, list] = {}
@@ -567,6 +672,8 @@ def main(argv=None) -> int:
                 if st == settings[0] and (pp(v) or pp(q)):
                     records.append(benchlib.record(f"{pref}_vs_{q}", "ppl", pp(v), peer=PEER,
                                                    theirs=pp(q)))
+                if st == settings[0]:
+                    records += path_records(f"{pref}_vs_{q}/decode_path", paths.get(v), paths.get(q))
             if o:
                 records.append(benchlib.record(f"{pref}{psuf(P)}/t{t}", "bandwidth_limit_tok_s",
                                                o["bandwidth_limit_tok_s"]))

@@ -222,16 +222,45 @@ def _check_nsamples(nsamples) -> None:
         raise ConfigError(f"nsamples={nsamples} must be a positive integer", "use e.g. --nsamples 128")
 
 
+#: Calibration source of text sampled from the model, each window seeded with one of the
+#: prompts in several languages shipped in ``edgeprune/data/calibration_prompts.json``.
+SELF_MULTILINGUAL = "self-multilingual"
+_PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "calibration_prompts.json"
+
+
+def seed_prompts() -> list[str]:
+    """The shipped multilingual seed prompts (:data:`SELF_MULTILINGUAL`), one round per
+    prompt index, the languages in file order within a round (en, de, fr, es, it, pt, ru,
+    zh, ja, ar, hi, ko), so any first N windows mix the languages."""
+    by_lang = json.loads(_PROMPTS_FILE.read_text(encoding="utf-8"))["prompts"]
+    rounds = max(len(v) for v in by_lang.values())
+    return [v[r] for r in range(rounds) for v in by_lang.values() if r < len(v)]
+
+
+def _seed_rows(tokenizer, start: int, prompts, nsamples: int, seqlen: int) -> list[list[int]]:
+    """Each window's seed: ``[start]`` + the ids of ``prompts[i % len(prompts)]`` (no
+    special tokens), cut to ``seqlen // 2`` tokens so that the model writes at least half."""
+    if not prompts:
+        return [[start]] * nsamples
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    return [([start] + ids[i % len(ids)])[: max(1, seqlen // 2)] for i in range(nsamples)]
+
+
 def self_generated(model, tokenizer, *, nsamples: int = 128, seqlen: int = 512, seed: int = 0,
-                   temperature: float = 1.0, batch_size: int = 16,
+                   temperature: float = 1.0, batch_size: int = 16, prompts=None,
                    progress: bool = False) -> CalibrationSet:
-    """Calibration windows sampled from the model itself (``source="self"``).
+    """Calibration windows sampled from the model itself (``source="self"``, or
+    :data:`SELF_MULTILINGUAL` with ``prompts=seed_prompts()``).
 
     Each window starts from the tokenizer's BOS token (else its EOS token, the usual
-    document separator) and continues with ``seqlen - 1`` tokens drawn from the model's
-    own distribution (plain sampling at ``temperature``, no top-k/top-p; end-of-sequence
-    suppressed so every window is full). The draw is seeded (``seed``) inside a forked
-    RNG, so the caller's random state is untouched.
+    document separator), then the window's seed prompt when ``prompts`` are given
+    (``prompts[i % len(prompts)]`` for window ``i``), and continues with tokens drawn from
+    the model's own distribution up to ``seqlen`` (plain sampling at ``temperature``, no
+    top-k/top-p; end-of-sequence suppressed so every window is full). Seeding with prompts
+    in several languages keeps the windows from being mostly English (what an unseeded
+    small model mostly writes), which the quantizer would otherwise fit at the other
+    languages' cost. The draw is seeded (``seed``) inside a forked RNG, so the caller's
+    random state is untouched; rows of a batch are left-padded with their attention mask.
 
     Args:
         model: the (dense) causal LM to calibrate; run in ``eval`` mode, no gradients.
@@ -240,6 +269,7 @@ def self_generated(model, tokenizer, *, nsamples: int = 128, seqlen: int = 512, 
         seed: sampling seed.
         temperature: sampling temperature (> 0).
         batch_size: sequences generated at once.
+        prompts: seed texts (None: every window starts from BOS alone).
         progress: show a progress bar.
 
     Returns:
@@ -258,7 +288,9 @@ def self_generated(model, tokenizer, *, nsamples: int = 128, seqlen: int = 512, 
         raise CalibrationError("the tokenizer has no BOS or EOS token to start generation from",
                                "calibrate on a text file instead of 'self'")
     eos = tokenizer.eos_token_id
+    pad = eos if eos is not None else start
     dev = next(model.parameters()).device
+    seeds = _seed_rows(tokenizer, int(start), list(prompts or ()), nsamples, seqlen)
     out = []
     from tqdm.auto import tqdm
     from transformers import LogitsProcessor, LogitsProcessorList
@@ -272,26 +304,33 @@ def self_generated(model, tokenizer, *, nsamples: int = 128, seqlen: int = 512, 
 
     was = model.training
     model.eval()
-    bar = tqdm(total=nsamples * (seqlen - 1), desc="self-calibration", unit="tok",
+    bar = tqdm(total=sum(seqlen - len(r) for r in seeds), desc="self-calibration", unit="tok",
                disable=not progress, leave=False)
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(seed)
             for b0 in range(0, nsamples, batch_size):
-                n = min(batch_size, nsamples - b0)
-                ids = torch.full((n, 1), int(start), dtype=torch.long, device=dev)
-                gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                rows = seeds[b0: b0 + batch_size]
+                width = max(len(r) for r in rows)
+                ids = torch.full((len(rows), width), int(pad), dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                for b, r in enumerate(rows):
+                    ids[b, width - len(r):] = torch.tensor(r)
+                    mask[b, width - len(r):] = 1
+                new = seqlen - min(len(r) for r in rows)
+                gen = model.generate(ids.to(dev), attention_mask=mask.to(dev), do_sample=True,
                                      temperature=float(temperature), top_k=0, top_p=1.0,
-                                     max_new_tokens=seqlen - 1, min_new_tokens=seqlen - 1,
-                                     pad_token_id=eos if eos is not None else start,
+                                     max_new_tokens=new, min_new_tokens=new, pad_token_id=pad,
                                      suppress_tokens=[eos] if eos is not None else None,
-                                     logits_processor=LogitsProcessorList([_Tick()]))
-                out.append(gen[:, :seqlen].cpu())
+                                     logits_processor=LogitsProcessorList([_Tick()])).cpu()
+                for b, r in enumerate(rows):      # drop the row's padding; keep seqlen tokens
+                    out.append(gen[b, width - len(r): width - len(r) + seqlen])
     finally:
         bar.close()
         model.train(was)
-    input_ids = torch.cat(out, 0).to(torch.long)
-    info = dict(source=f"self:T={float(temperature):g}", sha256=hashlib.sha256(
+    input_ids = torch.stack(out, 0).to(torch.long)
+    src = f"self:T={float(temperature):g}" + (f",prompts={len(prompts)}" if prompts else "")
+    info = dict(source=src, sha256=hashlib.sha256(
         input_ids.numpy().tobytes()).hexdigest(), seed=seed, nsamples=nsamples, seqlen=seqlen,
         tokens_read=int(input_ids.numel()), windows_available=nsamples,
         tokens_used=int(input_ids.numel()), tail_tokens_unused=0)
@@ -321,11 +360,12 @@ def build_calibration(tokenizer, source: str | Path | None = None, *, nsamples: 
         CalibrationError: unreadable source, or too little text for the requested windows
             (the message says how many tokens were found and how many are needed).
     """
-    if source is not None and str(source) == "self":
+    if source is not None and str(source) in ("self", SELF_MULTILINGUAL):
         if model is None:
-            raise CalibrationError("calibration source 'self' samples text from the model",
+            raise CalibrationError(f"calibration source {str(source)!r} samples text from the model",
                                    "pass model= to build_calibration (the CLI does this for --calib self)")
         return self_generated(model, tokenizer, nsamples=nsamples, seqlen=seqlen, seed=seed,
+                              prompts=seed_prompts() if str(source) == SELF_MULTILINGUAL else None,
                               progress=progress)
     _check_nsamples(nsamples)
     check_seqlen(seqlen, model_max_length)
@@ -373,6 +413,7 @@ def get_calibration(tokenizer, source: str | Path | None = None, nsamples: int =
                              **kwargs).input_ids
 
 
-__all__ = ["CalibrationSet", "build_calibration", "describe", "self_generated", "get_calibration", "default_documents",
+__all__ = ["CalibrationSet", "build_calibration", "describe", "self_generated", "seed_prompts",
+           "SELF_MULTILINGUAL", "get_calibration", "default_documents",
            "default_text", "load_documents", "read_text_file", "token_stream", "check_seqlen",
            "MAX_SEQLEN"]

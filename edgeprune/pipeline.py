@@ -4,11 +4,14 @@
 arguments it takes the built-in ``smollm2-135m``, compresses it with the
 :data:`DEFAULT_RECIPE` preset calibrated on 32 x 512 tokens sampled from the model itself
 (:data:`DEFAULT_CALIB`; no dataset needed, and it matches C4 calibration on WikiText-2
-where the embedded documentation text costs ~12 %), evaluates dense and
-compressed models on the embedded held-out text (perplexity *and* fidelity: KL and
-top-1 agreement, as the pruning-vs-quantization study recommends), saves a
-``compressed-tensors`` checkpoint, exports both models to ONNX (dense fp32 and the
-compressed one, int4 ``MatMulNBits`` when quantized), measures each in a fresh
+where the embedded documentation text costs ~12 %), evaluates the compressed model
+against the dense one on the embedded held-out text (perplexity *and* fidelity: KL and
+top-1 agreement, as the pruning-vs-quantization study recommends) twice: the PyTorch model
+with dequantized weights (fake-quant), and the ONNX export that ships, through the runtime,
+both in one teacher-forced pass and on the decode path (token by token through the KV
+cache, what generation computes: the two differ for int4 ``MatMulNBits`` with int8
+activations), saves a ``compressed-tensors`` checkpoint, exports both models to ONNX (dense
+fp32 and the compressed one, int4 ``MatMulNBits`` when quantized), measures each in a fresh
 runtime process (time to first token, decode tokens/s, peak RSS) and writes
 ``report.json`` + ``report.md`` into the output folder.
 
@@ -71,6 +74,8 @@ class RunConfig:
     eval_text: Optional[str] = None
     eval_seqlen: int = 512
     eval_nwindows: Optional[int] = 40
+    decode_windows: int = 2              # windows scored token by token through the KV cache
+    accuracy_levels: Optional[dict] = None  # MatMulNBits level per projection suffix (default: 4 everywhere)
     threads: int = 2
     prompt_len: int = 128
     gen_len: int = 128
@@ -158,6 +163,46 @@ def build_recipe(cfg: RunConfig):
     return Recipe(stages=[method_config_from_name(name, **ms)], name=name)
 
 
+#: The report's quality rows: (JSON key, the evaluation it comes from, its field); the
+#: "compressed" column is the export through the runtime, "pytorch" the fake-quantized model.
+QUALITY_ROWS = (("perplexity (one pass)", "one_pass", "ppl"),
+                ("perplexity (decode path)", "decode", "ppl"),
+                ("KL(dense||compressed) nats/token (one pass)", "one_pass", "kl"),
+                ("KL(dense||compressed) nats/token (decode path)", "decode", "kl"),
+                ("top-1 agreement (one pass)", "one_pass", "top1_agree"),
+                ("top-1 agreement (decode path)", "decode", "top1_agree"))
+
+
+def quality_rows(export_fid, torch_fid) -> dict[str, dict]:
+    """The report's quality rows: ``{row: {"dense", "compressed", "pytorch"}}``.
+
+    Args:
+        export_fid: :class:`~edgeprune.evaluation.decode_path.ExportFidelity` of the
+            compressed export (the "compressed" column; each row's "dense" is the dense
+            model on the same windows).
+        torch_fid: :class:`~edgeprune.evaluation.fidelity.FidelityResult` of the
+            fake-quantized PyTorch model on the one-pass windows (the "pytorch" column).
+    """
+    rows: dict[str, dict] = {}
+    for key, part, attr in QUALITY_ROWS:
+        r = getattr(export_fid, part)
+        dense = r.ppl_dense if attr == "ppl" else (0.0 if attr == "kl" else 1.0)
+        rows[key] = dict(dense=dense, compressed=getattr(r, attr),
+                         pytorch=getattr(torch_fid, attr) if part == "one_pass" else None)
+    p = export_fid.paths
+    rows["one pass vs decode path: argmax agreement"] = dict(dense=None, compressed=p.argmax_agree)
+    rows["one pass vs decode path: max |dlogit|"] = dict(dense=None, compressed=p.max_abs_dlogit)
+    return rows
+
+
+def next_commands(folder) -> list[str]:
+    """The three commands to try next on a run's compressed export: chat, serve, profile."""
+    import shlex
+
+    f = shlex.quote(str(folder))
+    return [f"edgeprune chat {f}", f"edgeprune serve {f}", f"edgeprune profile {f}"]
+
+
 #: What a run folder holds; replacing it deletes nothing else.
 RUN_ENTRIES = ("checkpoint", "onnx-compressed", "onnx-dense", "report.json", "report.md")
 #: A run folder, for the output guard: replaced as a whole; marked by a ``report.json``
@@ -223,6 +268,7 @@ class RunReport:
     samples: dict = field(default_factory=dict)
     compression: dict = field(default_factory=dict)
     protocol: dict = field(default_factory=dict)
+    quality: dict = field(default_factory=dict)     # {"export": ExportFidelity, "pytorch": FidelityResult}
     export: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)
 
@@ -234,22 +280,35 @@ class RunReport:
         lines = [f"# edgeprune run: {self.config['model']}", "",
                  f"Compression: `{json.dumps(self.compression.get('recipe'))}` "
                  f"({self.compression.get('seconds', 0):.1f} s)", "",
-                 "| metric | dense | compressed | ratio |", "|---|---|---|---|"]
+                 f"| metric | dense | {COMPRESSED_COLUMN} | {PYTORCH_COLUMN} | ratio |",
+                 "|---|---|---|---|---|"]
         for metric, v in self.rows.items():
             d, c = v.get("dense"), v.get("compressed")
             ratio = f"{c / d:.3f}" if isinstance(d, (int, float)) and isinstance(c, (int, float)) and d else "—"
-            cells = [metric, format_value(d), format_value(c), ratio]
+            cells = [metric, format_value(d), format_value(c), format_value(v.get("pytorch")), ratio]
             lines.append("| " + " | ".join(str(x).replace("|", "\\|") for x in cells) + " |")
         p = self.protocol
         lines += ["", f"Perplexity protocol: {p.get('text_source')} (sha256 {str(p.get('text_sha256'))[:12]}…), "
                       f"no BOS, {p.get('nwindows')} windows x {p.get('seqlen')} tokens, "
-                      f"{p.get('ntokens_scored')} tokens scored.",
+                      f"{p.get('ntokens_scored')} tokens scored.", "", QUALITY_NOTE.format(
+                          decode_windows=self.config.get("decode_windows"),
+                          seqlen=p.get("seqlen")),
                   f"Speed: batch 1, prompt {self.config['prompt_len']} tokens, {self.config['gen_len']} new tokens, "
                   f"greedy, {self.config['threads']} threads, median of {self.config['repeat']} runs, each model in a fresh "
                   "runtime process (onnxruntime, no torch).", "", "## Samples", ""]
         for k, s in self.samples.items():
             lines += [f"**{k}**: {s}", ""]
         return "\n".join(lines)
+
+
+#: Column titles of the report: the compressed figures come from the export.
+COMPRESSED_COLUMN = "compressed (ONNX export, runtime)"
+PYTORCH_COLUMN = "compressed (PyTorch fake-quant)"
+QUALITY_NOTE = ("Quality: *one pass* = every window teacher-forced in one prefill pass (how perplexity "
+                "is usually computed); *decode path* = the first {decode_windows} window(s) fed token "
+                "by token through the KV cache, as generation runs (its dense figure is the dense "
+                "model on those windows). The ONNX column is the shipped export run by the runtime; "
+                "the PyTorch column is the compressed model with dequantized weights, before export.")
 
 
 def format_value(v) -> str:
@@ -299,6 +358,9 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
     from .models import load_model
 
     import exporters
+    import runtime
+
+    from .evaluation.decode_path import export_fidelity
 
     cfg = cfg or RunConfig()
     out = Path(out_dir).expanduser().resolve()
@@ -309,6 +371,13 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
     # every count of the later stages now, not after minutes of calibration
     from devices.profiler import check_profile_args
     check_profile_args(cfg.prompt_len, cfg.gen_len, cfg.repeat, cfg.threads)
+    dw = cfg.decode_windows
+    if isinstance(dw, bool) or not isinstance(dw, int) or dw < 1:
+        raise ConfigError(f"decode_windows={dw!r} must be an integer >= 1", "pass e.g. --decode-windows 2")
+    for k, v in (cfg.accuracy_levels or {}).items():
+        if not isinstance(k, str) or not k or isinstance(v, bool) or v not in (0, 1, 2, 3, 4):
+            raise ConfigError(f"accuracy level override {k!r}={v!r} is invalid",
+                              "use a projection-name suffix and a level 0-4, e.g. down_proj=0")
     if isinstance(cfg.eval_seqlen, bool) or not isinstance(cfg.eval_seqlen, int) or cfg.eval_seqlen < 2:
         raise ConfigError(f"eval_seqlen={cfg.eval_seqlen!r} must be an integer >= 2",
                           "pass e.g. --eval-seqlen 512")
@@ -325,7 +394,7 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
     with claim_output(out, overwrite=overwrite, run_id=fp, **_out_guard(cfg.model)), \
             atomic_folder(out, overwrite=True, error=CheckpointError) as tmp:
         t = time.perf_counter()
-        log(f"[1/6] loading {cfg.model}")
+        log(f"[1/7] loading {cfg.model}")
         dense, tok, src = load_model(cfg.model, return_source=True, device=cfg.device)
         secs["load"] = time.perf_counter() - t
 
@@ -345,7 +414,7 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
                                    "--eval-seqlen") from None
         t = time.perf_counter()
         calib = cfg.calib if cfg.calib is not None else DEFAULT_CALIB
-        log(f"[2/6] calibration: {cfg.nsamples} x {cfg.seqlen} tokens from "
+        log(f"[2/7] calibration: {cfg.nsamples} x {cfg.seqlen} tokens from "
             + ("text sampled from the model itself" if calib == "self" else
                "the embedded default text" if calib == "default" else calib))
         cal = build_calibration(tok, calib, nsamples=cfg.nsamples, seqlen=cfg.seqlen, seed=cfg.seed,
@@ -359,34 +428,43 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
         secs["compress"] = result.seconds or (time.perf_counter() - t)
 
         t = time.perf_counter()
-        log("[3/6] evaluating dense vs compressed (perplexity, KL, top-1 agreement)")
+        log("[3/7] evaluating dense vs compressed in PyTorch (fake-quant: perplexity, KL, top-1 agreement)")
         fid = fidelity(dense, model, tok, cfg.eval_text, seqlen=eval_seqlen, nwindows=nwin or None)
         secs["evaluate"] = time.perf_counter() - t
 
         t = time.perf_counter()
         fmt = "compressed-tensors" if result.quantized else "dense"
-        log(f"[4/6] saving the compressed checkpoint ({fmt})")
+        log(f"[4/7] saving the compressed checkpoint ({fmt})")
         prov = dict(method=recipe.to_dict(), source=src.to_dict(), calibration=cal.info, seed=cfg.seed)
         ckpt.save_checkpoint(model, tok, result, tmp / "checkpoint", format=fmt, provenance=prov)
         secs["save"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        log("[5/6] exporting to ONNX")
+        log("[5/7] exporting to ONNX")
         exports = {}
         precision = "int4" if result.quantized else "fp32"
         sparse24 = bool(result.sparsity_pattern) and all(p == "2:4" for p in result.sparsity_pattern.values())
         exports["compressed"] = exporters.export_onnx(
             model, tok, tmp / "onnx-compressed", precision=precision, quantized=result.quantized or None,
             sparsity={"pattern": sorted(set(result.sparsity_pattern.values()))} if result.masks else None,
-            sparse_24=sparse24, provenance=prov)
+            sparse_24=sparse24, provenance=prov, accuracy_levels=cfg.accuracy_levels or None)
         if export_dense:
             exports["dense"] = exporters.export_onnx(dense, tok, tmp / "onnx-dense", precision="fp32",
                                                      provenance=dict(source=src.to_dict()))
         secs["export"] = time.perf_counter() - t
-        del dense, model
+        del model
 
         t = time.perf_counter()
-        log(f"[6/6] measuring in the runtime ({cfg.threads} threads, prompt {cfg.prompt_len}, {cfg.gen_len} new tokens)")
+        log(f"[6/7] evaluating the export through the runtime: every window in one pass, the first "
+            f"{cfg.decode_windows} token by token through the KV cache (decode path)")
+        with runtime.load(exports["compressed"].folder, threads=cfg.threads) as sess:
+            xfid = export_fidelity(dense, sess, tok, cfg.eval_text, seqlen=eval_seqlen,
+                                   nwindows=nwin or None, decode_windows=cfg.decode_windows)
+        secs["evaluate_export"] = time.perf_counter() - t
+        del dense
+
+        t = time.perf_counter()
+        log(f"[7/7] measuring in the runtime ({cfg.threads} threads, prompt {cfg.prompt_len}, {cfg.gen_len} new tokens)")
         speed, samples = {}, {}
         for kind, ex in exports.items():
             speed[kind] = _profile(ex.folder, cfg)
@@ -395,9 +473,7 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
         secs["total"] = time.perf_counter() - t_all
 
         rows = {
-            "perplexity": dict(dense=fid.ppl_dense, compressed=fid.ppl),
-            "KL(dense||compressed) nats/token": dict(dense=0.0, compressed=fid.kl),
-            "top-1 agreement": dict(dense=1.0, compressed=fid.top1_agree),
+            **quality_rows(xfid, fid),
             "model file (MiB)": {k: _file_mb(ex.folder) for k, ex in exports.items()},
             "time to first token (ms)": {k: v["ttft_ms"] for k, v in speed.items()},
             "decode tokens/s": {k: v["decode_tok_s"] for k, v in speed.items()},
@@ -406,7 +482,7 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
         report = RunReport(
             out_dir=str(out), config=dict(cfg.__dict__), fingerprint=fp, rows=rows, samples=samples,
             compression={k: v for k, v in result.summary().items() if k not in ("layer_errors", "quantized")},
-            protocol=fid.protocol.to_dict(),
+            protocol=fid.protocol.to_dict(), quality=dict(export=xfid.to_dict(), pytorch=fid.to_dict()),
             export={k: dict(ex.parity, file_mb=_file_mb(ex.folder), timings=ex.timings) for k, ex in exports.items()},
             seconds=secs)
         report.speed = speed  # type: ignore[attr-defined]
@@ -418,5 +494,5 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
     return report
 
 
-__all__ = ["RunConfig", "RunReport", "run_pipeline", "build_recipe", "DEFAULT_METHOD",
+__all__ = ["RunConfig", "RunReport", "run_pipeline", "build_recipe", "quality_rows", "next_commands", "DEFAULT_METHOD",
            "DEFAULT_RECIPE", "DEFAULT_CALIB"]

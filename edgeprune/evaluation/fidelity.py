@@ -111,6 +111,39 @@ def snr_db(signal: float, noise: float) -> float:
     return 10.0 * math.log10(signal / noise)
 
 
+class WindowScores:
+    """Sums of one model pair's per-window scores (KL, argmax agreement, both NLLs) over
+    windows, turned into a :class:`FidelityResult` by :meth:`result`."""
+
+    def __init__(self):
+        self.kl = self.agree = self.nll_dense = self.nll = 0.0
+        self.ntokens = 0
+
+    def add(self, dense_logits, logits, window: torch.Tensor) -> None:
+        """Add one window: both models' logits ``[1, S, V]`` (torch or numpy) of
+        ``window`` ``int64 [S]``; positions ``0..S-2`` predict ``window[1:]``."""
+        ld = F.log_softmax(_as_tensor(dense_logits)[0, :-1], -1)
+        lm = F.log_softmax(_as_tensor(logits)[0, :-1], -1)
+        # 0 log 0 = 0: a token both models rule out (-inf) adds nothing (it was NaN)
+        self.kl += torch.where(ld > -math.inf, ld.exp() * (ld - lm), 0.0).sum().item()
+        self.agree += (ld.argmax(-1) == lm.argmax(-1)).sum().item()
+        self.nll_dense += F.nll_loss(ld, window[1:], reduction="sum").item()
+        self.nll += F.nll_loss(lm, window[1:], reduction="sum").item()
+        self.ntokens += int(window.numel()) - 1
+
+    def result(self, protocol: Protocol) -> FidelityResult:
+        """The means per scored token (KL clamped at 0: a float32 sum over identical
+        models can land a hair below it).
+
+        Raises:
+            EvaluationError: NaN logits (see :func:`~edgeprune.evaluation.perplexity.perplexity`).
+        """
+        n = max(self.ntokens, 1)
+        return FidelityResult(kl=max(self.kl / n, 0.0), top1_agree=self.agree / n,
+                              ppl_dense=_exp_nll(self.nll_dense / n), ppl=_exp_nll(self.nll / n),
+                              protocol=protocol)
+
+
 def _greedy_callable(fn, prompt: list[int], n: int) -> list[int]:
     """Greedy tokens of a plain logits function (no cache: the whole sequence each step)."""
     ids = list(prompt)
@@ -177,16 +210,10 @@ def fidelity(dense, model, tokenizer, text: str | Path | None = None, *, seqlen:
     with_snr = snr and _layered(dense) and _layered(model)
     hooks = (_LayerOutputs(dense), _LayerOutputs(model)) if with_snr else None
     signal = noise = None
-    kl = agree = nll_d = nll_m = 0.0
+    scores = WindowScores()
     try:
         for w in tqdm(windows, desc="fidelity", unit="win", disable=not progress, leave=False):
-            ld = F.log_softmax(_as_tensor(f_dense(w[None]))[0, :-1], -1)
-            lm = F.log_softmax(_as_tensor(f_model(w[None]))[0, :-1], -1)
-            # 0 log 0 = 0: a token both models rule out (-inf) adds nothing (it was NaN)
-            kl += torch.where(ld > -math.inf, ld.exp() * (ld - lm), 0.0).sum().item()
-            agree += (ld.argmax(-1) == lm.argmax(-1)).sum().item()
-            nll_d += F.nll_loss(ld, w[1:], reduction="sum").item()
-            nll_m += F.nll_loss(lm, w[1:], reduction="sum").item()
+            scores.add(f_dense(w[None]), f_model(w[None]), w)
             if hooks is not None:
                 hd, hm = hooks[0].outputs, hooks[1].outputs
                 s = torch.tensor([h.double().pow(2).sum().item() for h in hd])
@@ -195,12 +222,9 @@ def fidelity(dense, model, tokenizer, text: str | Path | None = None, *, seqlen:
     finally:
         for h in hooks or ():
             h.close()
-    n = proto.ntokens_scored
     layers = [snr_db(float(s), float(e)) for s, e in zip(signal, noise)] if signal is not None else []
-    res = FidelityResult(kl=max(kl / n, 0.0), top1_agree=agree / n, ppl_dense=_exp_nll(nll_d / n),
-                         ppl=_exp_nll(nll_m / n), protocol=proto, snr_db_layers=layers,
-                         snr_db=_mean_db(layers) if layers else None)
-    # KL >= 0 above: a float32 sum over identical models can land a hair below zero
+    res = scores.result(proto)
+    res.snr_db_layers, res.snr_db = layers, (_mean_db(layers) if layers else None)
     if prompts is not None:
         changed = agree_tokens = 0
         g_dense, g_model = _greedy_fns(dense, model, f_dense, f_model)
@@ -222,4 +246,4 @@ def _mean_db(layers: list[float]) -> float:
     return sum(finite) / len(finite)
 
 
-__all__ = ["FidelityResult", "fidelity", "snr_db", "continuation_prompts"]
+__all__ = ["FidelityResult", "WindowScores", "fidelity", "snr_db", "continuation_prompts"]

@@ -74,10 +74,14 @@ def test_main_job_small(tmp_path):
     rep = run_pipeline(cfg, tmp_path / "run", log=lambda m: None, export_dense=False)
     data = json.loads((tmp_path / "run" / "report.json").read_text())
     assert (tmp_path / "run" / "report.md").read_text().startswith("# edgeprune run")
-    ppl = data["rows"]["perplexity"]
+    ppl = data["rows"]["perplexity (one pass)"]            # the export, through the runtime
     assert 5 < ppl["dense"] < ppl["compressed"] < 2 * ppl["dense"]
-    assert 0 < data["rows"]["KL(dense||compressed) nats/token"]["compressed"] < 1
-    assert 0.5 < data["rows"]["top-1 agreement"]["compressed"] < 1
+    assert 5 < ppl["dense"] < ppl["pytorch"] < 2 * ppl["dense"]   # the fake-quant model, labelled
+    assert 0 < data["rows"]["KL(dense||compressed) nats/token (one pass)"]["compressed"] < 1
+    assert 0.5 < data["rows"]["top-1 agreement (one pass)"]["compressed"] < 1
+    dec = data["rows"]["perplexity (decode path)"]
+    assert 5 < dec["dense"] < dec["compressed"] < 2 * dec["dense"]
+    assert 0.5 < data["rows"]["one pass vs decode path: argmax agreement"]["compressed"] <= 1
     assert data["rows"]["decode tokens/s"]["compressed"] > 1
     assert data["rows"]["model file (MiB)"]["compressed"] < 120
     assert rep.samples["compressed"]

@@ -244,8 +244,8 @@ def test_report_markdown_table_escapes_pipes():
                                                                                 "compressed": 0.1}},
                     samples={}, compression={}, protocol={}, export={}, seconds={})
     row = [ln for ln in rep.to_markdown().splitlines() if ln.startswith("| KL")][0]
-    # 4 cells: the escaped pipes are not column separators
-    assert len([c for c in row.replace("\\|", "").split("|") if c.strip()]) == 4
+    # 5 cells (metric, dense, export, PyTorch, ratio): the escaped pipes are not column separators
+    assert len([c for c in row.replace("\\|", "").split("|") if c.strip()]) == 5
     assert "KL(dense\\|\\|compressed)" in row
 
 

@@ -1,0 +1,45 @@
+"""Self-calibration seeded with the shipped multilingual prompts (issue 29)."""
+
+from __future__ import annotations
+
+import torch
+
+from edgeprune.calibration import SELF_MULTILINGUAL, build_calibration, seed_prompts, self_generated
+from tiny import byte_tokenizer
+
+
+def test_seed_prompts_ship_in_the_package_and_mix_the_languages():
+    p = seed_prompts()
+    assert len(p) >= 20 and all(isinstance(x, str) and len(x) > 40 for x in p)
+    first = p[:12]      # the first round: one prompt per language, several scripts
+    assert any("Die " in x for x in first) and any("图书馆" in x for x in first)
+    assert any("المكتبة" in x for x in first) and any("Библиотека" in x for x in first)
+
+
+def test_seeded_windows_start_with_their_prompt_and_are_full(tiny_llama):
+    tok = byte_tokenizer()
+    prompts = ["hello world, this is a seed", "zz"]
+    a = self_generated(tiny_llama, tok, nsamples=5, seqlen=48, seed=1, batch_size=4, prompts=prompts)
+    b = self_generated(tiny_llama, tok, nsamples=5, seqlen=48, seed=1, batch_size=4, prompts=prompts)
+    assert a.input_ids.shape == (5, 48) and torch.equal(a.input_ids, b.input_ids)
+    eos = tok.eos_token_id
+    for i in range(5):       # BOS (else EOS) + window i's prompt, then sampled tokens, no padding
+        seed = ([eos] + tok(prompts[i % 2], add_special_tokens=False)["input_ids"])[:24]   # seqlen // 2
+        assert a.input_ids[i, :len(seed)].tolist() == seed
+        assert not (a.input_ids[i, len(seed):] == eos).any()
+    assert a.info["source"] == "self:T=1,prompts=2"
+
+
+def test_a_long_prompt_leaves_half_the_window_to_the_model(tiny_llama):
+    tok = byte_tokenizer()
+    r = self_generated(tiny_llama, tok, nsamples=1, seqlen=16, prompts=["x" * 100])
+    assert r.input_ids[0, :8].tolist() == [tok.eos_token_id] + [tok("x")["input_ids"][0]] * 7
+    assert r.input_ids.shape == (1, 16)
+
+
+def test_the_multilingual_source_is_a_calibration_source(tiny_llama):
+    tok = byte_tokenizer()
+    r = build_calibration(tok, SELF_MULTILINGUAL, nsamples=2, seqlen=300, model=tiny_llama)
+    first = tok(seed_prompts()[0], add_special_tokens=False)["input_ids"][:149]   # 1 + 149 = seqlen // 2
+    assert r.input_ids[0, 1:150].tolist() == first
+    assert r.info["source"].startswith("self:T=1,prompts=")
