@@ -144,13 +144,23 @@ class IgPruneSpec(VariantSpec):
             return np.zeros(len(ids), np.int64)
         return nearest(self.embed(model, ids), self.centroids)
 
+    def _route_rows(self, model, ids: torch.Tensor, attention_mask=None) -> list:
+        """:meth:`route` of each row's real tokens (left padding, where ``attention_mask``
+        has zeros, is left out)."""
+        if attention_mask is None or bool(attention_mask.bool().all()):
+            return self.route(model, ids).tolist()
+        return [int(self.route(model, ids[b][attention_mask[b].bool()][None])[0]) for b in range(len(ids))]
+
     @contextlib.contextmanager
     def reference(self, model, mask=None):
         """Context manager: inside it ``model`` computes what the exported graph computes.
 
         Args:
-            mask: ``None``: every forward call routes each batch row by its own first
-                ``route_tokens`` tokens (the runtime routes each prompt the same way);
+            mask: ``None``: every forward call without cached tokens routes each batch
+                row by its own first ``route_tokens`` tokens (the runtime routes each
+                prompt the same way); a call on top of a KV cache (a continuation, a
+                decode step) keeps the masks of the call that filled it (one row's mask
+                is repeated over the rows selected from it);
                 an index into :attr:`masks`, or a ``2L`` 0/1 list: that mask for every row.
 
         Raises:
@@ -170,9 +180,12 @@ class IgPruneSpec(VariantSpec):
             if routing[0]:
                 return None
             ids = kwargs.get("input_ids", args[0] if args else None)
+            if _cached_tokens(kwargs) and "m" in rows:
+                rows["m"] = _continued(rows["m"], len(ids))
+                return None
             routing[0] = True
             try:
-                k = self.route(model, ids)
+                k = self._route_rows(model, ids, kwargs.get("attention_mask"))
             finally:
                 routing[0] = False
             rows["m"] = torch.tensor([self.masks[int(i)] for i in k]).float()
@@ -192,6 +205,28 @@ class IgPruneSpec(VariantSpec):
                   **options) -> "IgPruneSpec":
         """:func:`calibrate_all` for one ``method``."""
         return calibrate_all(model, calib_ids, skip_ratio, methods=(method,), **options)[method]
+
+
+def _cached_tokens(kwargs: dict) -> int:
+    """Tokens already in the KV cache a forward call got (0 without one)."""
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    get = getattr(cache, "get_seq_length", None)
+    return int(get()) if callable(get) else 0
+
+
+def _continued(prev: torch.Tensor, rows: int) -> torch.Tensor:
+    """The masks ``[rows, 2L]`` of a call continuing one whose masks were ``prev``.
+
+    Raises:
+        ConfigError: ``prev`` rows of different masks continued by another row count
+            (which row continues which is unknown here).
+    """
+    if prev.shape[0] == rows:
+        return prev
+    if bool((prev == prev[:1]).all()):
+        return prev[:1].expand(rows, -1)
+    raise ConfigError("the rows of a cached forward call cannot be matched to their routed masks",
+                      "score one context at a time (batch_groups=1)")
 
 
 def _check_ids(calib_ids) -> torch.Tensor:

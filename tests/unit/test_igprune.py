@@ -237,3 +237,28 @@ def test_cli_calibrates_and_exports(model, tmp_path, capsys):
     code, _, err = run_cli(["igprune", src, "--skip-ratio", "1.2", "--out", tmp_path / "b.safetensors"],
                            capsys)
     one_line_error(code, err, "skip_ratio")
+
+
+def test_reference_keeps_the_routed_mask_on_cached_continuations(model, specs, calib):
+    """A continuation on a KV cache (lm-eval scoring, decode steps) keeps the mask its
+    context was routed to, so the split pass equals the whole window's pass."""
+    import inspect
+    spec = specs["ig"]
+    ctx, cont = calib[0:1, :16], calib[7:8, :8]              # a low-id context, a high-id continuation
+    assert spec.route(model, ctx)[0] != spec.route(model, cont)[0]
+    ids = torch.cat([ctx, cont], 1)
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad(), spec.reference(model):
+        whole = model(ids).logits
+        out = model(ctx, use_cache=True)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        rest = model(cont, use_cache=True, **{kw: cache}).logits
+    assert torch.allclose(whole[:, 16:], rest, atol=1e-5)
+
+
+def test_window_metrics_routes_each_window(model, specs, calib):
+    from edgeprune.igprune.evaluation import window_metrics
+    dense = window_metrics(model, None, calib[:4])
+    got = window_metrics(model, specs["ig"], calib[:4], dense["logp"])
+    assert dense["kl_nats"] == 0.0 and got["kl_nats"] > 0 and got["ppl"] > 0
+    assert got["routes"] == specs["ig"].route(model, calib[:4]).tolist()
