@@ -258,7 +258,9 @@ def test_reference_keeps_the_routed_mask_on_cached_continuations(model, specs, c
 
 def test_window_metrics_routes_each_window(model, specs, calib):
     from edgeprune.igprune.evaluation import window_metrics
-    dense = window_metrics(model, None, calib[:4])
+    dense = window_metrics(model, None, calib[:4], keep_logp=True)
     got = window_metrics(model, specs["ig"], calib[:4], dense["logp"])
     assert dense["kl_nats"] == 0.0 and got["kl_nats"] > 0 and got["ppl"] > 0
     assert got["routes"] == specs["ig"].route(model, calib[:4]).tolist()
+    again = window_metrics(model, specs["ig"], calib[:4])           # dense recomputed
+    assert abs(again["kl_nats"] - got["kl_nats"]) < 1e-9 and again["logp"] is None
