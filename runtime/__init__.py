@@ -9,7 +9,7 @@ Imports only onnxruntime, numpy, tokenizers, jinja2 and psutil (never torch).
 
 from .errors import EdgePruneError, GenerationError, RuntimeLoadError
 from .session import GenerationResult, Session, load
-from . import countdown, leank  # noqa: E402,F401  (register the variant sessions)
+from . import countdown, igprune, leank  # noqa: E402,F401  (register the variant sessions)
 from .variants import register_session
 
 __all__ = ["load", "Session", "GenerationResult", "register_session", "EdgePruneError", "GenerationError",
