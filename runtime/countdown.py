@@ -47,12 +47,10 @@ class CountdownSession(Session):
 
     supports_prompt_lookup = False   # own cache layout / per-step statistics
 
-    def __init__(self, folder, device: str = "cpu", threads: Optional[int] = None,
-                 max_length: Optional[int] = None, context_policy: str = "error",
-                 huge_pages: bool = True, countdown: bool = True):
+    def __init__(self, folder, countdown: bool = True, **session_kw):
+        """``countdown``: False runs the dense MLP; ``session_kw`` as :class:`runtime.session.Session`."""
         self.countdown_enabled = bool(countdown)
-        super().__init__(folder, device=device, threads=threads, max_length=max_length,
-                         context_policy=context_policy, huge_pages=huge_pages)
+        super().__init__(folder, **session_kw)
         self.countdown = self._countdown_meta()
         self.kept_log: list = []
         self._has_kept = KEPT_OUTPUT in self.output_names

@@ -74,11 +74,9 @@ class IgPruneSession(Session):
 
     supports_prompt_lookup = False
 
-    def __init__(self, folder, device: str = "cpu", threads: Optional[int] = None,
-                 max_length: Optional[int] = None, context_policy: str = "error",
-                 huge_pages: bool = True):
-        super().__init__(folder, device=device, threads=threads, max_length=max_length,
-                         context_policy=context_policy, huge_pages=huge_pages)
+    def __init__(self, folder, **session_kw):
+        """``session_kw``: as :class:`runtime.session.Session` (device, threads, max_length, ...)."""
+        super().__init__(folder, **session_kw)
         rec = variant_records(self.meta).get("igprune")
         if not rec or self.fused:
             raise RuntimeLoadError(f"{self.folder} is not an IG-Pruning export",

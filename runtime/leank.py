@@ -34,11 +34,9 @@ class LeanKSession(Session):
 
     supports_prompt_lookup = False   # own cache layout / per-step statistics
 
-    def __init__(self, folder, device: str = "cpu", threads: Optional[int] = None,
-                 max_length: Optional[int] = None, context_policy: str = "error",
-                 huge_pages: bool = True):
-        super().__init__(folder, device=device, threads=threads, max_length=max_length,
-                         context_policy=context_policy, huge_pages=huge_pages)
+    def __init__(self, folder, **session_kw):
+        """``session_kw``: as :class:`runtime.session.Session` (device, threads, max_length, ...)."""
+        super().__init__(folder, **session_kw)
         lk = variant_records(self.meta).get("leank")
         if not isinstance(lk, dict) or "keep" not in lk:
             raise RuntimeLoadError(f"{self.folder} has no LeanK metadata",

@@ -39,8 +39,16 @@ from ..calibration import default_text, read_text_file
 from ..errors import CalibrationError, ConfigError, EvaluationError
 
 
+class Record:
+    """Base of the evaluation result dataclasses: ``to_dict()`` is their JSON form
+    (``dataclasses.asdict``, nested records and dicts included)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 @dataclass
-class Protocol:
+class Protocol(Record):
     """How a perplexity was computed; results under different protocols are not comparable."""
 
     text_source: str
@@ -51,20 +59,14 @@ class Protocol:
     ntokens_scored: int
     bos: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
-class PerplexityResult:
+class PerplexityResult(Record):
     """``ppl`` (exp of mean NLL), ``nll`` (nats/token) and the :class:`Protocol`."""
 
     ppl: float
     nll: float
     protocol: Protocol
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(ppl=self.ppl, nll=self.nll, protocol=self.protocol.to_dict())
 
 
 def _exists(text) -> bool:

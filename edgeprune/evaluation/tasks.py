@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..errors import ConfigError
 from .task_data import GROUPS, check_local_tasks, parse_tasks, prepare_task_dir
+from .perplexity import Record
 
 
 def require_lm_eval() -> None:
@@ -29,7 +30,7 @@ def require_lm_eval() -> None:
 
 
 @dataclass
-class TaskResult:
+class TaskResult(Record):
     """One task's scores.
 
     Attributes:
@@ -48,19 +49,13 @@ class TaskResult:
     n: Optional[int]
     metrics: dict = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
-class TaskResults:
+class TaskResults(Record):
     """Scores per task and how they were computed (``protocol``: data, limit, harness)."""
 
     tasks: dict
     protocol: dict
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(tasks={k: v.to_dict() for k, v in self.tasks.items()}, protocol=self.protocol)
 
 
 def check_tasks(tasks, task_data=None) -> list[str]:

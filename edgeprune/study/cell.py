@@ -48,8 +48,8 @@ class CellOutcome:
     cell_key: str
     status: str
     units: dict = field(default_factory=dict)
-    computed: list = field(default_factory=list)
     error: Optional[str] = None
+    computed: list = field(default_factory=list)
     record: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -205,7 +205,7 @@ class StudyRunner:
             torch.set_num_threads(self.config.threads)
         results = {u: self.cache.get(k) for u, k in pc.units.items()}
         missing = [u for u, v in results.items() if v is None]
-        out = CellOutcome(pc.model, pc.spec, pc.cell_key, "cached", results)
+        out = CellOutcome(pc.model, pc.spec, pc.cell_key, "cached", units=results)
         rec_path = self.cache.model_dir(pc.cell_key) / "record.json"
         out.record = Cache._read_json(rec_path) or {}
         if not missing:

@@ -226,10 +226,10 @@ class StudyConfig:
     calib: Optional[str] = None
     nsamples: int = 128
     seqlen: int = 512
-    seed: int = 0
     text: Optional[str] = None
     eval_seqlen: int = 512
     nwindows: Optional[int] = 40
+    seed: int = 0
     continuations: int = 32
     prompt_len: int = 32
     new_tokens: int = 32
