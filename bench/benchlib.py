@@ -145,7 +145,7 @@ def write_records(path, records: Iterable[dict]) -> Path:
             records as given are saved beside it as ``<path>.invalid`` (so a long run's
             figures survive a bug in its last lines) and the message names that file.
     """
-    from runtime.files import atomic_write
+    from edgeprune_runtime.files import atomic_write
 
     records = list(records)
     try:
@@ -195,12 +195,31 @@ def add_common_args(parser: argparse.ArgumentParser, quick_help: str) -> argpars
 # subprocesses and peer virtualenvs
 # ---------------------------------------------------------------------------------------------
 
+#: import name -> folder of this checkout (the folders keep their short names; the import
+#: names are namespaced, see pyproject.toml's package-dir)
+IMPORT_NAMES = {"edgeprune": "edgeprune", "edgeprune_exporters": "exporters",
+                "edgeprune_runtime": "runtime", "edgeprune_devices": "devices"}
+
+
+def import_root() -> Path:
+    """``bench/.cache/import-root``: one symbolic link per import name of ours to its folder,
+    so a worker in a virtualenv without our install (a peer's) imports this checkout."""
+    root = CACHE / "import-root"
+    root.mkdir(parents=True, exist_ok=True)
+    for name, folder in IMPORT_NAMES.items():
+        link = root / name
+        if not link.is_symlink():
+            link.symlink_to(ROOT / folder, target_is_directory=True)
+    return root
+
+
 def worker_env(**extra: str) -> dict:
-    """The environment of a worker process: this one's, with the repository root first on
-    ``PYTHONPATH`` (how a worker in any virtualenv imports the repo's packages) and
-    ``extra`` variables set."""
+    """The environment of a worker process: this one's, with :func:`import_root` and the
+    repository root first on ``PYTHONPATH`` (how a worker in any virtualenv imports the
+    repo's packages and the bench modules) and ``extra`` variables set."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(import_root()), str(ROOT),
+                                                    env.get("PYTHONPATH", "")) if p)
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -370,7 +389,7 @@ def quick_variants() -> list[str]:
 def build_ours(variant: str, folder: Path) -> str:
     """Export SmolLM2-135M to ``folder`` as :data:`OURS_VARIANTS` ``variant`` (int4,
     max_length 2048, overwriting); returns the export's summary."""
-    import exporters
+    import edgeprune_exporters as exporters
     from edgeprune.models import load_model
 
     m, t = load_model("smollm2-135m")
@@ -399,16 +418,16 @@ def build_ours(variant: str, folder: Path) -> str:
 
 def model_work(folder) -> dict:
     """Bytes and operations per token of an export (the profiler's graph work count)."""
-    from devices.profiler import model_work as _model_work
+    from edgeprune_devices.profiler import model_work as _model_work
 
     return _model_work(folder)
 
 
 def load_countdown(folder, threads: int):
     """A COUNTDOWN session of an export (``mlp_read_report()`` included)."""
-    import runtime.countdown
+    import edgeprune_runtime.countdown as countdown
 
-    return runtime.countdown.load(folder, threads=threads)
+    return countdown.load(folder, threads=threads)
 
 
 def main(argv=None) -> int:

@@ -114,7 +114,7 @@ def _vm_hwm() -> int:
 def worker_ours(folder: str, threads: int, prompt_len: int, gen_len: int, lookup: int = 0) -> dict:
     """Our runtime: load, warm up, one timed greedy generation (fresh process); ``lookup``
     > 0: prompt-lookup speculative decoding with up to that many draft tokens."""
-    import runtime
+    import edgeprune_runtime as runtime
 
     t0 = time.perf_counter()
     s = runtime.load(folder, threads=threads, max_length=prompt_len + gen_len + 8)
@@ -247,7 +247,7 @@ def worker_ppl_ours(folder: str, windows_json: str, threads: int) -> dict:
     """WikiText-2 perplexity of our export through the runtime (teacher-forced windows)."""
     import numpy as np
 
-    import runtime
+    import edgeprune_runtime as runtime
 
     windows = json.loads(Path(windows_json).read_text())
     s = runtime.load(folder, threads=threads, max_length=len(windows[0]) + 8)
@@ -289,7 +289,7 @@ def worker_paths_ours(folder: str, windows_json: str, threads: int) -> dict:
     own prefill and decode steps: ``edgeprune.evaluation.decode_path``)."""
     import numpy as np
 
-    import runtime
+    import edgeprune_runtime as runtime
     from edgeprune.evaluation.decode_path import decode_path_logits
 
     windows = json.loads(Path(windows_json).read_text())
@@ -503,7 +503,7 @@ def main(argv=None) -> int:
         with open(logf, "a") as f:
             f.write(msg + "\n")
 
-    import devices
+    import edgeprune_devices as devices
 
     t_start = time.perf_counter()
     records: list[dict] = []

@@ -60,7 +60,7 @@ def _vm_hwm() -> int:
 
 
 def worker_ours(folder: str, threads: int, ids: list[int], new: int) -> dict:
-    import runtime
+    import edgeprune_runtime as runtime
     t0 = time.perf_counter()
     s = runtime.load(folder, threads=threads, max_length=MAX_LENGTH)
     load_s = time.perf_counter() - t0
@@ -146,7 +146,7 @@ def _prepare(work: Path, log, rebuild: bool, quick: bool) -> dict:
                                                          ours4 / "model.onnx", hf / "config.json"))
     if need_model or not prompt.exists():
         from edgeprune.models import load_model
-        import exporters
+        import edgeprune_exporters as exporters
         model, tok = load_model("smollm2-135m")
         if rebuild or not (ours / "model.onnx").exists():
             t = time.perf_counter()
@@ -220,11 +220,11 @@ def _thread_folder(base: Path, threads: int) -> Path:
 def quality(folder: Path, nwindows: int, log) -> list[dict]:
     """WikiText-2 perplexity (512-token windows) of our int4 export vs the PyTorch
     fake-quantized model with the same integer weights (the issue's 0.5% criterion)."""
-    import runtime
+    import edgeprune_runtime as runtime
     from edgeprune.evaluate import perplexity
     from edgeprune.models import load_model
-    from exporters import BUILDERS, BuildOptions, DecoderSpec
-    from exporters.validate import substituted_weights
+    from edgeprune_exporters import BUILDERS, BuildOptions, DecoderSpec
+    from edgeprune_exporters.validate import substituted_weights
     model, tok = load_model("smollm2-135m")
     text = benchlib.WIKI
     spec = DecoderSpec.from_model(model)

@@ -60,7 +60,7 @@ def rec(records, case, metric, value):
 
 
 def _onnx_logits(folder, threads):
-    import runtime
+    import edgeprune_runtime as runtime
     s = runtime.load(folder, threads=threads)
 
     def fn(ids):
@@ -70,7 +70,7 @@ def _onnx_logits(folder, threads):
 
 def _decode_speed(folder, threads, prompt, new, countdown_session=False):
     """Load once; returns a callable doing one timed generation -> (tok/s, report)."""
-    import runtime
+    import edgeprune_runtime as runtime
     s = benchlib.load_countdown(folder, threads) if countdown_session else \
         runtime.load(folder, threads=threads)
     s.eos_token_ids = []
@@ -132,7 +132,7 @@ def main(argv=None):
     from edgeprune.countdown import calibrate_many, evaluate_many
     from edgeprune.evaluate import fidelity
     from edgeprune.models import load_model
-    from exporters import export_onnx
+    from edgeprune_exporters import export_onnx
 
     records: list = []
     t_all = time.time()

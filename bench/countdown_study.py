@@ -98,7 +98,7 @@ def score_fn(name: str, st: "Stats"):
         return lambda i, x, u, c: u.abs() * torch.where(u > 0, ly[i]["fpos"], ly[i]["fneg"])
     if name.startswith("d-q"):                 # d-q<bits>g<group>: RTN-quantized gate/up
         if name not in st.predictors:
-            from exporters.int4 import rtn_int
+            from edgeprune_exporters.int4 import rtn_int
             bits, grp = (int(t) for t in name[3:].split("g"))
             fns = []
             for m, lay in zip(st.mlps, ly):

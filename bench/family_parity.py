@@ -70,7 +70,7 @@ def torch_logits(model, ids: np.ndarray) -> np.ndarray:
 
 def export_fp32(model, tok, alias: str, graph: str):
     """Our fp32 export (cached), its folder."""
-    import exporters
+    import edgeprune_exporters as exporters
     folder = benchlib.CACHE / "family_parity" / f"{alias}-fp32-{graph}"
     if not (folder / "edgeprune.json").exists():
         log(f"export {alias} fp32 {graph}")
@@ -85,8 +85,8 @@ def ring_logits(model, ids: np.ndarray, prefill: int, chunk: int) -> tuple[np.nd
     graph's KV bytes at a 4,096-token context over a full-length cache's."""
     import onnxruntime as ort
 
-    import exporters
-    from runtime.kv_cache import KVSpec, RingKVCache
+    import edgeprune_exporters as exporters
+    from edgeprune_runtime.kv_cache import KVSpec, RingKVCache
     spec = exporters.DecoderSpec.from_model(model)
     b = exporters.make_builder(model, spec, exporters.BuildOptions(precision="fp32", max_length=2048,
                                                                    local_kv="ring"))
@@ -118,7 +118,7 @@ def ring_logits(model, ids: np.ndarray, prefill: int, chunk: int) -> tuple[np.nd
 
 def parity(alias: str, model, tok, quick: bool) -> list:
     """The parity records of one model (module docstring)."""
-    import runtime
+    import edgeprune_runtime as runtime
     from edgeprune.evaluate import eval_windows
     gemma = model.config.model_type == "gemma3_text"
     n = LONG if gemma else WINDOW
@@ -169,7 +169,7 @@ def _nll(logits: torch.Tensor, ids: torch.Tensor) -> float:
 def _table_mib(w, packed_zeros: bool = True) -> float:
     """MiB the export stores for an ``IntWeight`` table (MatMulNBits layout; an embedding
     table alone keeps one zero-point byte per block), or a float one."""
-    from exporters.int4 import default_zero_points, pack_matmulnbits
+    from edgeprune_exporters.int4 import default_zero_points, pack_matmulnbits
     if isinstance(w, np.ndarray):
         return w.nbytes / 2 ** 20
     B, sc, zp = pack_matmulnbits(w)
@@ -180,8 +180,8 @@ def _table_mib(w, packed_zeros: bool = True) -> float:
 def head_policy(alias: str, model, tok, windows: int) -> list:
     """WikiText-2 perplexity and stored bytes per head mode (module docstring)."""
     from edgeprune.evaluate import eval_windows
-    from exporters.int4 import q8_head_block, rtn_int
-    from exporters.validate import substituted_weights
+    from edgeprune_exporters.int4 import q8_head_block, rtn_int
+    from edgeprune_exporters.validate import substituted_weights
     wins = eval_windows(tok, benchlib.WIKI, seqlen=WINDOW, nwindows=windows)[0]
     tied = bool(model.config.tie_word_embeddings)
     cap = getattr(model.config, "final_logit_softcapping", None)

@@ -116,7 +116,7 @@ def quality(checkpoint: str, nwin: int, Ks, gptq: bool) -> list[tuple[str, str, 
     from edgeprune.calibration import build_calibration
     from edgeprune.methods.gptq import gptq_quantize
     from edgeprune.models import load_model
-    from exporters.int4 import rtn_int
+    from edgeprune_exporters.int4 import rtn_int
 
     model, tok = load_model(checkpoint)[:2]
     ids = tok(benchlib.WIKI.read_text(), add_special_tokens=False)["input_ids"]
@@ -164,7 +164,7 @@ def _split_rows(h, tgt, L8, P8, p8, tables, X, W, hots=(4096, 16384)):
     table, the others from the int4 table (``X``: calibration hidden states ``[n, H]``)."""
     if X is None:
         return []
-    from exporters.int4 import rtn_int
+    from edgeprune_exporters.int4 import rtn_int
     W8 = _dequant(rtn_int(W.numpy(), 8, 64))
     mass = np.exp(_log_softmax(X.numpy() @ W8.T)).mean(0)     # [V] mean probability
     order, out = np.argsort(-mass), []

@@ -39,7 +39,7 @@ import benchlib
 
 def lock_step(folder: Path, threads: int, prompt_len: int, new_tokens: int, rounds: int) -> dict:
     """Median step times (ms) of both sessions and the median paired ratio."""
-    import runtime
+    import edgeprune_runtime as runtime
 
     huge = runtime.load(folder, threads=threads, huge_pages=True)
     small = runtime.load(folder, threads=threads, huge_pages=False)

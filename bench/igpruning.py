@@ -141,8 +141,8 @@ def step_weight_bytes(model, item: float) -> tuple[float, list]:
 
 def speed(records, case_prefix, model, tok, specs, a, workdir: Path, precision: str):
     """Export the ``ig`` spec and the dense plain graph at ``precision``; decode speeds."""
-    import runtime
-    from exporters import export_onnx
+    import edgeprune_runtime as runtime
+    from edgeprune_exporters import export_onnx
 
     ig = specs["ig"]
     item = 4.0 if precision == "fp32" else 0.5 + 4.5 / 32     # int4: codes + scale/zero per block of 32

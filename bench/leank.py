@@ -80,7 +80,7 @@ class EvalCache:
             except ValueError:
                 pass
         self.data[key] = value
-        from runtime.files import atomic_write
+        from edgeprune_runtime.files import atomic_write
 
         atomic_write(self.path, json.dumps(self.data, indent=1))
 
@@ -153,8 +153,8 @@ def _onnx_ppl(model, tok, mask, seqlen, nwindows, sink, window, threads):
     faster on CPU at 2,048-token windows."""
     import tempfile
 
-    import exporters
-    import runtime
+    import edgeprune_exporters as exporters
+    import edgeprune_runtime as runtime
     from edgeprune.evaluate import perplexity
     from edgeprune.leank import LeanKMask, kv_geometry
     L, N, KV, D = kv_geometry(model)
@@ -268,8 +268,8 @@ def _export_matches(folder: Path, mask, args) -> bool:
 
 def runtime_records(model, tok, masks, order, by_name, args, rec) -> list:
     """Export (fp32 and int4 weights) and measure K/V cache bytes and decode speed."""
-    import exporters
-    import runtime
+    import edgeprune_exporters as exporters
+    import edgeprune_runtime as runtime
     from edgeprune.leank import LeanKMask, kv_geometry
     L, N, KV, D = kv_geometry(model)
     out_root = CACHE / "exports"

@@ -85,7 +85,7 @@ def prompts(per_kind: int) -> dict[str, list[tuple[str, bool]]]:
 
 
 def _token_ids(folder: str, items: list[tuple[str, bool]]) -> list[list[int]]:
-    from runtime.tokenizer import Tokenizer
+    from edgeprune_runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(folder)
     out = []
@@ -104,7 +104,7 @@ def _token_ids(folder: str, items: list[tuple[str, bool]]) -> list[list[int]]:
 
 def worker_ours(folder: str, threads: int, gen_len: int, lookup: int, ids_json: str) -> dict:
     """Our runtime over every prompt: decode tok/s, tokens, drafts per prompt."""
-    import runtime
+    import edgeprune_runtime as runtime
 
     prompts_ = json.loads(Path(ids_json).read_text())
     s = runtime.load(folder, threads=threads, max_length=max(map(len, prompts_)) + gen_len + 8)

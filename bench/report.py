@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true",
                     help="write nothing; exit 1 if docs/benchmarks.md or the README block is stale")
     a = ap.parse_args(argv)
-    from runtime.files import atomic_write
+    from edgeprune_runtime.files import atomic_write
 
     files = load_results(a.results)
     doc = render_benchmarks(files)

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     answer = a.answer_tokens or (16 if a.quick else 64)
     folder = Path(a.export) if a.export else build_export()
 
-    import runtime
+    import edgeprune_runtime as runtime
 
     reuse = runtime.load(folder, threads=a.threads)
     reuse.reuse_prefix = True

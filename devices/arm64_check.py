@@ -21,11 +21,11 @@ Setup (done once, cached under ``--root``, needs root for ``apt-get``):
 Running: ``unshare -m`` + a bind mount of a Cortex-A76 ``/proc/cpuinfo`` (QEMU 7.2
 passes the host's x86 ``/proc/cpuinfo`` through, and onnxruntime's cpuinfo library
 crashes parsing it on aarch64), then ``qemu-aarch64-static -cpu cortex-a76 -L SYSROOT
-SYSROOT/usr/bin/python3.11 -m devices.arm64_check --probe ...``.
+SYSROOT/usr/bin/python3.11 -m edgeprune_devices.arm64_check --probe ...``.
 
 Usage::
 
-    python -m devices.arm64_check OUT/tiny-int4 --tokens 16 --json arm64.json
+    python -m edgeprune_devices.arm64_check OUT/tiny-int4 --tokens 16 --json arm64.json
     bash devices/arm64_check.sh OUT/tiny-int4            # same, via the wrapper
 """
 
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.errors import DeviceError
+from edgeprune_runtime.errors import DeviceError
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ROOT = Path(os.environ.get("EDGEPRUNE_ARM64_ROOT", Path.home() / ".cache" / "edgeprune" / "arm64"))
@@ -129,7 +129,7 @@ def _probe(folder: str, tokens: int, threads: int) -> dict:
 
     import onnxruntime
 
-    import runtime
+    import edgeprune_runtime as runtime
 
     t0 = time.perf_counter()
     s = runtime.load(folder, threads=threads)
@@ -143,15 +143,28 @@ def _probe(folder: str, tokens: int, threads: int) -> dict:
             "logits": logits, "greedy": [int(t) for t in gen], "seconds": time.perf_counter() - t0}
 
 
+def _import_root(td: Path) -> Path:
+    """A folder under ``td`` that makes this checkout's runtime and devices importable by
+    their import names (``edgeprune_runtime``, ``edgeprune_devices``: symbolic links to the
+    ``runtime/`` and ``devices/`` folders) in the emulated interpreter, which has no install
+    of ours."""
+    pkgs = td / "pkgs"
+    pkgs.mkdir()
+    for name, folder in (("edgeprune_runtime", "runtime"), ("edgeprune_devices", "devices")):
+        (pkgs / name).symlink_to(REPO / folder, target_is_directory=True)
+    return pkgs
+
+
 def run_arm64(folder: Path, env_paths: dict, tokens: int, threads: int, cpu: str, timeout: float) -> dict:
     """Run :func:`_probe` under qemu-aarch64 and return its result (logits included)."""
     with tempfile.TemporaryDirectory(prefix="edgeprune-arm64-") as td:
         out = Path(td) / "arm.npz"
         py = [env_paths["qemu"], "-cpu", cpu, "-L", env_paths["sysroot"], env_paths["python"], "-m",
-              "devices.arm64_check", "--probe", str(folder), str(out), "--tokens", str(tokens), "--threads", str(threads)]
+              "edgeprune_devices.arm64_check", "--probe", str(folder), str(out), "--tokens", str(tokens), "--threads", str(threads)]
         inner = " ".join(f"'{a}'" for a in py)
         cmd = ["unshare", "-m", "sh", "-c", f"mount --bind '{env_paths['cpuinfo']}' /proc/cpuinfo && exec {inner}"]
-        env = dict(os.environ, PYTHONPATH=f"{env_paths['site']}{os.pathsep}{REPO}", PYTHONNOUSERSITE="1")
+        pkgs = _import_root(Path(td))
+        env = dict(os.environ, PYTHONPATH=f"{env_paths['site']}{os.pathsep}{pkgs}", PYTHONNOUSERSITE="1")
         env.pop("PYTHONHOME", None)
         t0 = time.perf_counter()
         try:

@@ -8,4 +8,4 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${PYTHON:-$here/.venv/bin/python}"
 [ -x "$py" ] || py=python3
 cd "$here"
-exec "$py" -m devices.arm64_check "$@"
+exec "$py" -m edgeprune_devices.arm64_check "$@"

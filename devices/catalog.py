@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import DeviceError
+from edgeprune_runtime.errors import DeviceError
 
 from .host import measure_host
 

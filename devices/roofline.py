@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from runtime.errors import DeviceError
+from edgeprune_runtime.errors import DeviceError
 
 from .catalog import DeviceProfile
 

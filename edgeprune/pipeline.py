@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from runtime.files import OutputKind, atomic_folder, check_output, claim_output, write_json
+from edgeprune_runtime.files import OutputKind, atomic_folder, check_output, claim_output, write_json
 
 from .errors import CalibrationError, CheckpointError, ConfigError
 
@@ -230,7 +230,7 @@ def _check_out(out: Path, fingerprint: str, overwrite: bool, model: str | None =
 
 
 def _profile(folder: Path, cfg: RunConfig) -> dict[str, Any]:
-    from devices.profiler import profile
+    from edgeprune_devices.profiler import profile
 
     rep = profile(folder, "cpu-host", prompt_len=cfg.prompt_len, gen_len=cfg.gen_len,
                   repeat=cfg.repeat, targets=[])
@@ -242,8 +242,8 @@ def _profile(folder: Path, cfg: RunConfig) -> dict[str, Any]:
 
 
 def _sample(folder: Path, prompt: str, threads: int, max_new_tokens: int = 48) -> str:
-    import runtime
-    from runtime.errors import GenerationError
+    import edgeprune_runtime as runtime
+    from edgeprune_runtime.errors import GenerationError
 
     with runtime.load(folder, threads=threads) as sess:
         try:
@@ -357,8 +357,8 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
     from .evaluate import fidelity
     from .models import load_model
 
-    import exporters
-    import runtime
+    import edgeprune_exporters as exporters
+    import edgeprune_runtime as runtime
 
     from .evaluation.decode_path import export_fidelity
 
@@ -369,7 +369,7 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
     recipe = build_recipe(cfg)
     recipe.validate()
     # every count of the later stages now, not after minutes of calibration
-    from devices.profiler import check_profile_args
+    from edgeprune_devices.profiler import check_profile_args
     check_profile_args(cfg.prompt_len, cfg.gen_len, cfg.repeat, cfg.threads)
     dw = cfg.decode_windows
     if isinstance(dw, bool) or not isinstance(dw, int) or dw < 1:

@@ -138,7 +138,7 @@ def save_spec(spec: VariantSpec, path) -> Path:
     Raises:
         ConfigError: a spec with arrays and a ``.json`` path, or an unregistered spec.
     """
-    from runtime.files import atomic_write
+    from edgeprune_runtime.files import atomic_write
 
     path = Path(path)
     if VARIANTS.get(spec.name) is not type(spec):

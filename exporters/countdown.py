@@ -67,7 +67,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
-from runtime.errors import ExportError, UnsupportedArchitectureError
+from edgeprune_runtime.errors import ExportError, UnsupportedArchitectureError
 
 from .graph import MS_DOMAIN, GraphBuilder
 from .int4 import IntWeight, pack_uint4, rtn_int

@@ -42,7 +42,7 @@ from typing import Optional
 import numpy as np
 from onnx import TensorProto
 
-from runtime.errors import ExportError, UnsupportedArchitectureError
+from edgeprune_runtime.errors import ExportError, UnsupportedArchitectureError
 
 from .attention import AttentionMixin
 from .embedding import EmbeddingHeadMixin

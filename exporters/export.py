@@ -16,8 +16,8 @@ from typing import Optional
 
 import onnx
 
-from runtime.errors import ExportError, UnsupportedArchitectureError
-from runtime.session import GRAPH_MAX_LENGTH_KEY
+from edgeprune_runtime.errors import ExportError, UnsupportedArchitectureError
+from edgeprune_runtime.session import GRAPH_MAX_LENGTH_KEY
 
 from .decoder import BuildOptions, accuracy_level_for, name_ends_with
 from .families import BUILDERS

@@ -12,8 +12,8 @@ import json
 import shutil
 from pathlib import Path
 
-from runtime.errors import ExportError
-from runtime.files import (OutputKind, atomic_folder as _atomic_folder, check_output,
+from edgeprune_runtime.errors import ExportError
+from edgeprune_runtime.files import (OutputKind, atomic_folder as _atomic_folder, check_output,
                            claim_output, foreign_entries, plain_modes, shown_names,
                            source_conflict, write_json)
 

@@ -39,7 +39,7 @@ import hashlib
 import numpy as np
 from onnx import TensorProto, helper
 
-from runtime.errors import ExportError, UnsupportedArchitectureError
+from edgeprune_runtime.errors import ExportError, UnsupportedArchitectureError
 
 from .countdown import _sub_builder
 from .variants import VariantMixin, register_export_variant

@@ -22,7 +22,7 @@ from typing import Optional
 
 import numpy as np
 
-from runtime.errors import ExportError
+from edgeprune_runtime.errors import ExportError
 
 MATMULNBITS_BLOCKS = (256, 128, 64, 32, 16)
 #: RTN group size for weights quantized at export (the same 64 as

@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 from onnx import TensorProto
 
-from runtime.errors import ExportError, UnsupportedArchitectureError
+from edgeprune_runtime.errors import ExportError, UnsupportedArchitectureError
 
 from .graph import MS_DOMAIN
 from .int4 import (IntWeight, can_fuse, concat_n, default_zero_points, from_quantized,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from runtime.errors import ExportError
+from edgeprune_runtime.errors import ExportError
 
 from .variants import VariantMixin, register_export_variant
 

@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from runtime.errors import UnsupportedArchitectureError
+from edgeprune_runtime.errors import UnsupportedArchitectureError
 
 from .attention import rope_limit
 from .families import BUILDERS

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from runtime.errors import ExportError
+from edgeprune_runtime.errors import ExportError
 
 
 def check_graph(model_path: Path) -> dict:
@@ -105,7 +105,7 @@ def parity(model, folder: Path, seqlen: int = 64, seed: int = 0,
     """
     import torch
 
-    import runtime
+    import edgeprune_runtime as runtime
 
     ids = window_ids(tokenizer, model.config.vocab_size, seqlen, seed)
     with torch.no_grad():

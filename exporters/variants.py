@@ -7,7 +7,7 @@ over :class:`~exporters.decoder.DecoderBuilder` that overrides only the hooks it
 ``DecoderBuilder``'s docstring), the way onnxruntime-genai's builders subclass a base
 ``Model`` and override ``make_attention`` / ``make_mlp``::
 
-    from exporters.variants import VariantMixin, register_export_variant
+    from edgeprune_exporters.variants import VariantMixin, register_export_variant
 
     @register_export_variant("myvariant")
     class MyVariantMixin(VariantMixin):
@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Callable
 
-from runtime.errors import ExportError, RuntimeLoadError
+from edgeprune_runtime.errors import ExportError, RuntimeLoadError
 
 #: variant name -> builder mixin class (filled by :func:`register_export_variant`)
 EXPORT_VARIANTS: dict[str, type] = {}
@@ -123,7 +123,7 @@ def variant_entries(variants) -> list[tuple[str, dict]]:
         if any(n == name for n, _ in out):
             raise ExportError(f"graph variant {name!r} is given twice", "pass each variant once")
         out.append((name, d))
-    from runtime.variants import session_class
+    from edgeprune_runtime.variants import session_class
     try:       # an export the runtime could not load is refused before any work
         session_class({"variants": {n: {"requested": True} for n, _ in out}}, object)
     except RuntimeLoadError as e:

@@ -1,6 +1,6 @@
 """edgeprune's embeddable runtime: a torch-free generation engine over onnxruntime.
 
->>> import runtime
+>>> import edgeprune_runtime as runtime
 >>> with runtime.load("out/smollm2-int4", threads=2) as s:
 ...     print(s.generate("The capital of France is", max_new_tokens=16).text)
 

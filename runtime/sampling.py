@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from runtime.errors import GenerationError
+from edgeprune_runtime.errors import GenerationError
 
 __all__ = ["Sampler", "apply_repetition_penalty"]
 

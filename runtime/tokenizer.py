@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import GenerationError, RuntimeLoadError
+from edgeprune_runtime.errors import GenerationError, RuntimeLoadError
 
 __all__ = ["Tokenizer", "IncrementalDecoder", "clean_up_tokenization", "check_text"]
 

@@ -9,8 +9,8 @@ A variant whose graph needs its own generation loop or caches registers a
 :class:`~runtime.session.Session` subclass under that name; :func:`runtime.load` looks it
 up here. A variant that runs in the plain loop (compact 2:4) registers nothing::
 
-    from runtime.session import Session
-    from runtime.variants import register_session
+    from edgeprune_runtime.session import Session
+    from edgeprune_runtime.variants import register_session
 
     @register_session("myvariant")
     class MyVariantSession(Session):

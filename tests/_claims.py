@@ -26,7 +26,7 @@ def claim_held_elsewhere(out) -> Iterator[int]:
     would) until the block ends; yields its pid."""
     holder = python_child(f"""
         import sys
-        from runtime.files import OutputClaim
+        from edgeprune_runtime.files import OutputClaim
         claim = OutputClaim({str(out)!r}).acquire()
         print("held", flush=True)
         sys.stdin.read()

@@ -69,7 +69,7 @@ def qwen25_coder():
 def smollm2_int4(smollm2, tmp_path_factory) -> Path:
     """SmolLM2-135M exported int4 (RTN g32, q8 head, fused graph), KV cache 1,280 tokens;
     shared read-only by the runtime/profiler integration tests."""
-    import exporters
+    import edgeprune_exporters as exporters
 
     model, tok = smollm2
     out = tmp_path_factory.mktemp("smol") / "int4"

@@ -134,7 +134,7 @@ def export_tiny_llama(folder: str | Path, precision: str = "fp32", max_length: i
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    import exporters
+    import edgeprune_exporters as exporters
 
     tok = save_bpe_tokenizer(tempfile.mkdtemp(prefix="tinytok-"))
     torch.manual_seed(0)

@@ -6,7 +6,7 @@
   time to first token, prefill tokens/s, decode tokens/s (median and p90 over every
   decode step of ``repeat`` runs), peak RSS, weights bytes, KV-cache bytes (K and V)
   at the final length. The run happens in a fresh subprocess that imports only the
-  runtime (``python -m devices.profiler --worker``), so peak RSS is what an app
+  runtime (``python -m edgeprune_devices.profiler --worker``), so peak RSS is what an app
   embedding the runtime would see, not the caller's torch. A sampling thread kills
   the run as soon as RSS exceeds the profile's budget and :func:`profile` raises
   :class:`~runtime.errors.DeviceError`.
@@ -22,7 +22,7 @@ One module per concern: :mod:`~devices.profiler.run` (the entry point),
 :mod:`~devices.profiler.measure` (the worker, its RSS watchdog, GPU availability),
 :mod:`~devices.profiler.work` (bytes and operations per token, read from the graph with
 ``onnx``), :mod:`~devices.profiler.report` (JSON, Markdown, matplotlib plot),
-:mod:`~devices.profiler.project` (roofline projection to targets). ``import runtime``
+:mod:`~devices.profiler.project` (roofline projection to targets). ``import edgeprune_runtime``
 loads none of it; ``onnx`` and ``matplotlib`` are imported only where they are used.
 """
 

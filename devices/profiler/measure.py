@@ -1,7 +1,7 @@
 """Measuring an export on this host: the worker (a fresh process importing only the runtime),
 its RSS watchdog, and whether a GPU can run here.
 
-:func:`run_worker` starts ``python -m devices.profiler --worker CFG OUT`` (or measures in
+:func:`run_worker` starts ``python -m edgeprune_devices.profiler --worker CFG OUT`` (or measures in
 this process), so peak RSS is what an app embedding the runtime would see, not the
 caller's torch. The worker dies with the profiler (:func:`die_with_parent`), and the
 folders of profilers killed before they could clean up are removed by the next run
@@ -24,8 +24,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from runtime.errors import DeviceError, GenerationError, RuntimeLoadError
-from runtime.files import pid_alive
+from edgeprune_runtime.errors import DeviceError, GenerationError, RuntimeLoadError
+from edgeprune_runtime.files import pid_alive
 
 MiB = 1024 * 1024
 #: decode tokens generated at every context length of a sweep
@@ -184,7 +184,7 @@ def measure_export(cfg: dict, on_step: Optional[Callable[[], None]] = None) -> d
         DeviceError: the RSS went over ``budget_bytes`` (in-process mode).
         RuntimeLoadError, GenerationError: as ``runtime.load`` / ``Session.generate``.
     """
-    import runtime
+    import edgeprune_runtime as runtime
 
     with RSSWatch(cfg.get("budget_bytes"), cfg.get("status_path"), cfg.get("profile_name", "")) as watch:
         rss_start = watch.rss()
@@ -242,7 +242,7 @@ def measure_export(cfg: dict, on_step: Optional[Callable[[], None]] = None) -> d
 
 def run_worker(cfg: dict, isolate: bool, timeout: float,
                on_step: Optional[Callable[[], None]] = None) -> dict:
-    """:func:`measure_export` of ``cfg`` in a fresh ``python -m devices.profiler --worker``
+    """:func:`measure_export` of ``cfg`` in a fresh ``python -m edgeprune_devices.profiler --worker``
     process (``isolate``; abandoned after ``timeout`` seconds), or in this one.
     ``on_step`` is called here after each step the measurement reports (:func:`step_labels`).
 
@@ -259,11 +259,9 @@ def run_worker(cfg: dict, isolate: bool, timeout: float,
         cfg_path, out_path = Path(td) / "cfg.json", Path(td) / "out.json"
         cfg_path.write_text(json.dumps(cfg))
         env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         log = Path(td) / "worker.log"
         with open(log, "w") as log_f:
-            proc = subprocess.Popen([sys.executable, "-m", "devices.profiler", "--worker", str(cfg_path),
+            proc = subprocess.Popen([sys.executable, "-m", "edgeprune_devices.profiler", "--worker", str(cfg_path),
                                      str(out_path)], stdout=log_f, stderr=subprocess.STDOUT, text=True, env=env)
             _wait_worker(proc, timeout, Path(cfg["progress_path"]), on_step)
         if proc.returncode == BUDGET_EXIT and Path(cfg["status_path"]).exists():
@@ -277,7 +275,7 @@ def run_worker(cfg: dict, isolate: bool, timeout: float,
                        "DeviceError": DeviceError}[err["error_class"]]
                 raise cls(err["message"], err.get("hint"))
             raise DeviceError("the profiling worker failed: " + " | ".join(tail)[-800:],
-                              "run `python -m devices.profiler --worker` by hand to see the full error")
+                              "run `python -m edgeprune_devices.profiler --worker` by hand to see the full error")
         return json.loads(out_path.read_text())
 
 

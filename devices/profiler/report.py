@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-from runtime.files import atomic_write
+from edgeprune_runtime.files import atomic_write
 
 MiB = 1024 * 1024
 

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from runtime.errors import DeviceError, GenerationError, RuntimeLoadError
+from edgeprune_runtime.errors import DeviceError, GenerationError, RuntimeLoadError
 
 from ..catalog import load_profile
 from . import measure

@@ -11,7 +11,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from runtime.errors import RuntimeLoadError
+from edgeprune_runtime.errors import RuntimeLoadError
 
 
 def model_work(folder: Union[str, Path]) -> dict[str, Any]:

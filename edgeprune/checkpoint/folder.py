@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from exporters.folder import TOKENIZER_FILES
-from runtime.files import OutputClaim, OutputKind, check_output, claim_output
+from edgeprune_exporters.folder import TOKENIZER_FILES
+from edgeprune_runtime.files import OutputClaim, OutputKind, check_output, claim_output
 
 from ..errors import CheckpointError
 from .format import CHECKPOINT_FILES, CHECKPOINT_JSON

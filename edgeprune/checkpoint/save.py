@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from runtime.files import atomic_folder, write_json
+from edgeprune_runtime.files import atomic_folder, write_json
 
 from ..errors import CheckpointError
 from ..quantize import QuantizedWeight

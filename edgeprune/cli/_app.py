@@ -7,7 +7,7 @@ import re
 
 import click
 
-from runtime.errors import EdgePruneError
+from edgeprune_runtime.errors import EdgePruneError
 
 
 @click.group(context_settings=dict(help_option_names=["-h", "--help"]))

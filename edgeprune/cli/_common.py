@@ -9,9 +9,9 @@ from typing import Any, Optional
 
 import click
 
-from runtime.errors import ConfigError
-from runtime.files import FILE_OUTPUT, FOLDER_OUTPUT, check_output, write_json
-from runtime.files import json_ready as _finite  # noqa: F401 - edgeprune.cli._finite
+from edgeprune_runtime.errors import ConfigError
+from edgeprune_runtime.files import FILE_OUTPUT, FOLDER_OUTPUT, check_output, write_json
+from edgeprune_runtime.files import json_ready as _finite  # noqa: F401 - edgeprune.cli._finite
 
 
 class _RegisteredMethods(Sequence):

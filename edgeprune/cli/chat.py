@@ -54,7 +54,7 @@ class Conversation:
         Raises:
             GenerationError: the system prompt and the message alone leave no room.
         """
-        from runtime.errors import GenerationError
+        from edgeprune_runtime.errors import GenerationError
 
         tok, limit = self.session.tokenizer, self.session.max_length
         dropped = 0
@@ -98,7 +98,7 @@ def _stats(res, finish: Optional[str]) -> str:
 
 def chat_loop(session, conv: Conversation, sampling: dict, lines) -> int:
     """Answer each line of ``lines`` in ``conv`` on ``session``; returns the turns answered."""
-    from runtime.errors import GenerationError
+    from edgeprune_runtime.errors import GenerationError
 
     answered = 0
     for line in lines:
@@ -170,8 +170,8 @@ def chat_cmd(folder, system, max_new_tokens, temperature, top_k, top_p, repetiti
 
     Type a message and Enter; /reset starts a new conversation, /system TEXT sets a new
     system prompt, /quit (or end of input) ends. Ctrl-C stops an answer."""
-    import runtime
-    from runtime.errors import ConfigError
+    import edgeprune_runtime as runtime
+    from edgeprune_runtime.errors import ConfigError
 
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from runtime.errors import ConfigError
+from edgeprune_runtime.errors import ConfigError
 
 from ._app import cli
 from ._common import (METHODS, _check_output, _console, _parse_pattern, _write_json, describe_recipe,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from runtime.errors import ConfigError
+from edgeprune_runtime.errors import ConfigError
 
 from ._app import cli
 from ._common import _check_output, _console, _parse_levels, _write_json, threads_option
@@ -57,7 +57,7 @@ def _refuse_moved(values: dict) -> None:
 def _variants(items, compact_24: bool) -> list:
     """``--variant`` values (spec files, or names of variants without a spec) -> the
     ``variants`` argument of ``exporters.export_onnx``, checked before any work."""
-    from exporters.variants import variant_entries
+    from edgeprune_exporters.variants import variant_entries
 
     from ..variants import load_spec
 
@@ -110,7 +110,7 @@ def export_cmd(checkpoint, out, precision, variants, sparse_24, compact_24, grap
     (LeanK, EMNLP 2025), `edgeprune countdown` a COUNTDOWN spec (sparse decode MLP,
     EMNLP 2025); pass them with --variant.
     """
-    import exporters
+    import edgeprune_exporters as exporters
 
     _refuse_moved(moved)
     # outputs, options and spec files first: an error now, not after loading the model
@@ -118,7 +118,7 @@ def export_cmd(checkpoint, out, precision, variants, sparse_24, compact_24, grap
     exporters.check_export_args(precision or "int4", group_size, accuracy_level, max_length)
     levels = _parse_levels(accuracy_levels)
     specs = _variants(variants, compact_24)
-    from exporters.folder import claim_out_dir
+    from edgeprune_exporters.folder import claim_out_dir
 
     from ..models import local_source
 

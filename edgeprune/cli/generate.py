@@ -37,7 +37,7 @@ def generate_cmd(folder, prompt, max_new_tokens, temperature, top_k, top_p, repe
                  threads, max_length, context_policy, stops, prompt_lookup_num_tokens,
                  max_matching_ngram_size):
     """Stream a completion of PROMPT from an exported FOLDER (runtime only, no torch)."""
-    import runtime
+    import edgeprune_runtime as runtime
 
     with runtime.load(folder, threads=threads, max_length=max_length,
                       context_policy=context_policy) as sess:

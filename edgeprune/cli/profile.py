@@ -7,7 +7,7 @@ from typing import Optional
 
 import click
 
-from runtime.errors import ConfigError
+from edgeprune_runtime.errors import ConfigError
 
 from ._app import cli
 from ._common import _check_output, _console, _table, _write_json, threads_option
@@ -32,8 +32,8 @@ from ._common import _check_output, _console, _table, _write_json, threads_optio
 @click.option("--json", "json_path", default=None, help="Write the report as JSON here.")
 def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets, out_dir, threads, json_path):
     """Measure latency and memory of an exported FOLDER under a device profile."""
-    from runtime.files import atomic_write
-    from devices.profiler import profile
+    from edgeprune_runtime.files import atomic_write
+    from edgeprune_devices.profiler import profile
 
     # outputs checked before minutes of measuring, not after
     _check_output(out_dir, "--out", [folder], folder=True)
@@ -75,7 +75,7 @@ def _parse_sweep(value: Optional[str]):
 @click.option("--json", "json_path", default=None)
 def devices_cmd(json_path):
     """List the device profiles (devices/profiles/*.toml)."""
-    import devices
+    import edgeprune_devices as devices
 
     _check_output(json_path, "--json")
     profs = devices.list_profiles()

@@ -40,7 +40,7 @@ def serve_cmd(folder, host, port, max_concurrency, queue_size, max_request_bytes
     The KV cache of each slot keeps the conversation it served last: the next turn of that
     conversation processes only its new message. Point any OpenAI client at
     http://HOST:PORT/v1 (the API key is not checked)."""
-    from runtime.serve import serve
+    from edgeprune_runtime.serve import serve
 
     serve(folder, host=host, port=port, max_concurrency=max_concurrency, queue_size=queue_size,
           max_request_bytes=max_request_bytes, threads=threads, max_length=max_length,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from runtime.errors import ConfigError
+from edgeprune_runtime.errors import ConfigError
 
 from ._app import cli
 from ._common import _check_output, _console, threads_option

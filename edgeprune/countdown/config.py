@@ -82,7 +82,7 @@ def gated_mlps(model) -> list:
 def check_graph_mode(graph_mode) -> str:
     """Validate the exported graph's mode (``"if"``, ``"sparse"``, ``"dense"``: see
     ``exporters.countdown``); raises :class:`ConfigError`."""
-    from exporters.countdown import GRAPH_MODES
+    from edgeprune_exporters.countdown import GRAPH_MODES
     if graph_mode not in GRAPH_MODES:
         raise ConfigError(f"countdown graph_mode={graph_mode!r} is unknown",
                           f"use one of {', '.join(GRAPH_MODES)}")

@@ -253,7 +253,7 @@ def load_evaluated(source, threads: Optional[int] = None, device: str = "cpu"):
             ``runtime.load``.
     """
     if is_export(source):
-        import runtime
+        import edgeprune_runtime as runtime
 
         p = Path(source).expanduser()
         sess = runtime.load(p, threads=threads)

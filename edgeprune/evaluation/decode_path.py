@@ -38,7 +38,7 @@ def decode_path_logits(session, ids) -> np.ndarray:
     Raises:
         GenerationError (runtime): ``S`` exceeds the session's context, or the session is closed.
     """
-    from runtime.errors import GenerationError
+    from edgeprune_runtime.errors import GenerationError
 
     ids = [int(t) for t in np.asarray(ids).reshape(-1)]
     if not ids or len(ids) > session.max_length:

@@ -296,7 +296,7 @@ def prepare_task_dir(task_data, tasks: list[str], cache: Path | None = None) -> 
     """
     import yaml
 
-    from runtime.files import atomic_folder
+    from edgeprune_runtime.files import atomic_folder
 
     root = Path(task_data).expanduser()
     if not root.is_dir():

@@ -20,7 +20,7 @@ from typing import ClassVar, Optional
 import numpy as np
 import torch
 
-from exporters.igprune import model_fingerprint
+from edgeprune_exporters.igprune import model_fingerprint
 
 from ..errors import CalibrationError, CheckpointError, ConfigError
 from ..variants import VariantSpec, register_variant

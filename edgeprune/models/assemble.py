@@ -16,7 +16,7 @@ import importlib.metadata as metadata
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.files import atomic_folder
+from edgeprune_runtime.files import atomic_folder
 
 from ..errors import ModelLoadError
 

@@ -21,7 +21,7 @@ import struct
 import tempfile
 from pathlib import Path
 
-from runtime.files import atomic_folder
+from edgeprune_runtime.files import atomic_folder
 
 from ..errors import ModelLoadError
 

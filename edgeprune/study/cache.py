@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from runtime.files import atomic_write, write_json
+from edgeprune_runtime.files import atomic_write, write_json
 
 #: Bumped when what a cell or unit computes changes (old entries are then not reused).
 STUDY_VERSION = 1

@@ -18,7 +18,7 @@ import math
 import re
 from pathlib import Path
 
-from runtime.files import atomic_write
+from edgeprune_runtime.files import atomic_write
 
 
 def _slug(text: str) -> str:

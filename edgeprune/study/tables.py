@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from runtime.files import atomic_write, write_json
+from edgeprune_runtime.files import atomic_write, write_json
 
 from .cell import CellOutcome
 from .grid import StudyConfig

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.errors import ExportError, UnsupportedArchitectureError
+from edgeprune_runtime.errors import ExportError, UnsupportedArchitectureError
 
 from ..decoder import DecoderBuilder
 from ..attention import rope_limit

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.errors import ExportError
+from edgeprune_runtime.errors import ExportError
 
 from ..decoder import DecoderBuilder
 

@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server over an export: ``edgeprune serve EXPORT``.
 
->>> from runtime.serve import serve
+>>> from edgeprune_runtime.serve import serve
 >>> serve("out/smollm2-int4", port=8000, max_concurrency=2)     # blocks; Ctrl-C stops
 
 Then any OpenAI client talks to it::
@@ -14,7 +14,7 @@ Routes, limits and errors: :mod:`runtime.serve.app`; the wire format:
 turns of a conversation: :mod:`runtime.serve.slots`.
 
 Built on Starlette and uvicorn, an optional extra (``pip install 'edgeprune[serve]'``):
-``import runtime`` never loads this package, and it imports no torch and nothing of
+``import edgeprune_runtime`` never loads this package, and it imports no torch and nothing of
 edgeprune, exporters or devices.
 """
 
@@ -59,7 +59,7 @@ def load_slots(folder, max_concurrency: int = 1, threads: Optional[int] = None,
         ConfigError: ``max_concurrency`` below 1.
         RuntimeLoadError: as :func:`runtime.load`.
     """
-    import runtime
+    import edgeprune_runtime as runtime
 
     if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
         raise ConfigError(f"max_concurrency must be a positive integer, got {max_concurrency!r}",
@@ -106,7 +106,7 @@ def serve(folder, host: str = "127.0.0.1", port: int = 8000, max_concurrency: in
     sessions = load_slots(folder, max_concurrency, threads, max_length)
     import logging
 
-    log = logging.getLogger("runtime.serve")
+    log = logging.getLogger("edgeprune_runtime.serve")
     if not log.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))

@@ -34,7 +34,7 @@ from .protocol import (Reply, RequestError, error_body, finish_reason, fit_max_t
                        parse_completion)
 from .slots import Generation, SlotPool, watch_disconnect
 
-log = logging.getLogger("runtime.serve")
+log = logging.getLogger("edgeprune_runtime.serve")
 
 #: bodies over the limit but under this many bytes are read (and dropped) before the 413,
 #: so that the client, still sending, reads the answer instead of a reset connection

@@ -44,7 +44,7 @@ def main() -> None:
     folder, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     import psutil
 
-    import runtime
+    import edgeprune_runtime as runtime
 
     policy = "sliding_window" if mode == "long" else "error"
     huge = mode != "peak4k"
@@ -53,7 +53,7 @@ def main() -> None:
     sess.eos_token_ids = []                      # generate exactly n tokens
     prompt = list(range(1000, 1128))             # 128 tokens
     if mode == "embed":
-        from runtime.memory import weight_mappings
+        from edgeprune_runtime.memory import weight_mappings
         step = sess.vocab_size // 128
         sess.generate(list(range(0, 128 * step, step)), max_new_tokens=n)
         print(json.dumps({"weights_rss": sum(m["Rss"] for m in weight_mappings(folder))}))

@@ -45,8 +45,8 @@ def test_zero_sparsity_is_dense_and_m05_quality_band(setup, wikitext_path):
 
 def test_onnx_decode_matches_reference(setup, tmp_path):
     from edgeprune import countdown as cd
-    from exporters import export_onnx
-    from runtime.countdown import CountdownSession
+    from edgeprune_exporters import export_onnx
+    from edgeprune_runtime.countdown import CountdownSession
     model, tok, _, m05 = setup
     res = export_onnx(model, tok, tmp_path / "m05", variants=[(m05, {"graph_mode": "if"})],
                       max_length=256, parity_tokens=32)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-import exporters
-import runtime
+import edgeprune_exporters as exporters
+import edgeprune_runtime as runtime
 
 pytestmark = pytest.mark.integration
 

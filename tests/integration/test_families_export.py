@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-import exporters
-import runtime
+import edgeprune_exporters as exporters
+import edgeprune_runtime as runtime
 from edgeprune.evaluate import eval_windows
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def leank_exports(smollm2, tmp_path_factory):
-    import exporters
+    import edgeprune_exporters as exporters
     from edgeprune.calibration import build_calibration
     from edgeprune.leank import learn_mask
     model, tok = smollm2
@@ -28,7 +28,7 @@ def leank_exports(smollm2, tmp_path_factory):
 
 
 def test_k_cache_middle_is_30_percent(leank_exports):
-    import runtime
+    import edgeprune_runtime as runtime
     mask = leank_exports["mask"]
     assert mask.fraction == pytest.approx(0.3, abs=0.01)
     assert (mask.counts() % 8 == 0).all()
@@ -41,7 +41,7 @@ def test_k_cache_middle_is_30_percent(leank_exports):
 
 
 def test_export_matches_reference_with_pruning_active(smollm2, leank_exports):
-    import runtime
+    import edgeprune_runtime as runtime
     from edgeprune.leank import apply_reference
     model, tok = smollm2
     text = ("The history of the city goes back to Roman times, when a small fort guarded the "

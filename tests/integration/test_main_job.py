@@ -27,8 +27,8 @@ def _torch_logits(model, ids):
 
 
 def test_fp32_export_matches_pytorch_on_a_full_window(smollm2, window, tmp_path):
-    import exporters
-    import runtime
+    import edgeprune_exporters as exporters
+    import edgeprune_runtime as runtime
 
     model, tok = smollm2
     exporters.export_onnx(model, tok, tmp_path / "fp32", precision="fp32", validate=False)
@@ -45,8 +45,8 @@ def test_int4_export_matches_pytorch_rtn(smollm2, window, tmp_path):
     ``accuracy_level=1`` (fp32 compute) isolates the packing; the default level 4 also
     rounds activations to int8, which moves a few near-tied argmaxes (measured ~97%).
     """
-    import exporters
-    import runtime
+    import edgeprune_exporters as exporters
+    import edgeprune_runtime as runtime
     from edgeprune.engine import compress
     from edgeprune.recipe import RTNConfig
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import runtime
+import edgeprune_runtime as runtime
 from edgeprune.cli import main as cli
 
 pytestmark = pytest.mark.integration

@@ -1,6 +1,6 @@
 """The ARM64 numerics check (devices.arm64_check) on a tiny int4 export, under QEMU.
 
-Runs only where the emulation tree is already set up (``python -m devices.arm64_check``
+Runs only where the emulation tree is already set up (``python -m edgeprune_devices.arm64_check``
 builds it once, ~2 min, with root and registry access) and ``unshare`` works: it never
 downloads anything by itself.
 """
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 
 def _ready():
-    from devices.arm64_check import DEFAULT_ROOT
+    from edgeprune_devices.arm64_check import DEFAULT_ROOT
 
     if not shutil.which("qemu-aarch64-static") or not (DEFAULT_ROOT / "sysroot" / "usr" / "bin" / "python3").exists():
         return False
@@ -27,7 +27,7 @@ def _ready():
     return any(DEFAULT_ROOT.glob(f"site-py*-ort{onnxruntime.__version__}"))
 
 
-@pytest.mark.skipif(not _ready(), reason="arm64 emulation tree not set up (run python -m devices.arm64_check once)")
+@pytest.mark.skipif(not _ready(), reason="arm64 emulation tree not set up (run python -m edgeprune_devices.arm64_check once)")
 def test_int4_logits_match_between_x86_and_emulated_arm64(tmp_path):
     """fp32 compute (accuracy level 0, fp32 head): the aarch64 and x86 kernels agree to
     float rounding. The shipped int8-activation path (level 4, q8 head) rounds the
@@ -35,10 +35,10 @@ def test_int4_logits_match_between_x86_and_emulated_arm64(tmp_path):
     every argmax and greedy token still agree and the mean gap stays at quantization
     noise; the largest single gap on this random tiny model is 0.041 (1.4 % of that
     logit), so it is bounded relative to the logit, not absolutely."""
-    import exporters
+    import edgeprune_exporters as exporters
     from tiny import export_tiny_llama
 
-    from devices.arm64_check import compare
+    from edgeprune_devices.arm64_check import compare
 
     folder, model, tok = export_tiny_llama(tmp_path / "tiny-int4", precision="int4")
     exact = tmp_path / "tiny-int4-fp32-compute"

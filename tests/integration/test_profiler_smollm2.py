@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-import devices
-from runtime.errors import DeviceError
-from devices.profiler import model_work, profile
+import edgeprune_devices as devices
+from edgeprune_runtime.errors import DeviceError
+from edgeprune_devices.profiler import model_work, profile
 
 pytestmark = pytest.mark.integration
 

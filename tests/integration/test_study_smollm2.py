@@ -49,7 +49,7 @@ def _close(a: dict, b: dict, points: float, ll: float) -> None:
 def test_ours_equals_lm_eval_hf_and_onnx_equals_torch(smollm2, task_manager, tmp_path):
     from lm_eval.models.huggingface import HFLM
 
-    import exporters
+    import edgeprune_exporters as exporters
     from edgeprune.evaluation.backends import load_evaluated
     from edgeprune.evaluation.lm import EdgepruneLM
 
@@ -62,7 +62,7 @@ def test_ours_equals_lm_eval_hf_and_onnx_equals_torch(smollm2, task_manager, tmp
 
 
 def test_int4_export_scores_like_its_fake_quant_model(smollm2, task_manager, tmp_path):
-    import exporters
+    import edgeprune_exporters as exporters
     from edgeprune.calibration import build_calibration
     from edgeprune.engine import compress
     from edgeprune.evaluation.backends import load_evaluated

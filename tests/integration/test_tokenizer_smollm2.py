@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from runtime.tokenizer import Tokenizer
+from edgeprune_runtime.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.integration
 

@@ -87,7 +87,10 @@ def test_common_args_and_worker_env(benchlib):
     assert a.quick and a.json == Path("x.json")
     assert ap.parse_args([]).json is None
     env = benchlib.worker_env(OMP_NUM_THREADS=2)
-    assert env["PYTHONPATH"].split(":")[0] == str(benchlib.ROOT) and env["OMP_NUM_THREADS"] == "2"
+    first, second = env["PYTHONPATH"].split(":")[:2]
+    assert second == str(benchlib.ROOT) and env["OMP_NUM_THREADS"] == "2"
+    assert (Path(first) / "edgeprune_runtime" / "session.py").resolve() == \
+        benchlib.ROOT / "runtime" / "session.py"
 
 
 SMALL = [

@@ -11,9 +11,9 @@ import shutil
 
 import pytest
 
-import runtime
+import edgeprune_runtime as runtime
 from edgeprune.cli.chat import Conversation
-from runtime.errors import GenerationError
+from edgeprune_runtime.errors import GenerationError
 
 from _cli import one_line_error, run_cli
 from tiny import export_tiny_llama

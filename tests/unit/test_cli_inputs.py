@@ -102,7 +102,7 @@ def test_compress_and_export_never_replace_inputs_or_foreign_folders(model_dir, 
                         capsys)
     assert code == 0, err
     assert json.loads((tmp_path / "ox" / "edgeprune.json").read_text())["max_length"] == 32
-    from exporters.folder import source_conflict
+    from edgeprune_exporters.folder import source_conflict
     (tmp_path / "dl").mkdir()
     (tmp_path / "dl" / "x.gguf").write_bytes(b"GGUF")
     assert source_conflict(tmp_path / "dl" / "run1", [tmp_path / "dl" / "x.gguf"]) is None
@@ -283,7 +283,7 @@ def test_eval_window_longer_than_the_context_is_refused(model_dir, capsys):
 
 
 def test_narrow_codes_are_labelled_and_long_contexts_warned(tiny_llama, tmp_path):
-    import exporters
+    import edgeprune_exporters as exporters
     from edgeprune.quantize import rtn_quantize
 
     q = {n: rtn_quantize(m.weight.detach(), 3, 32, False) for n, m in tiny_llama.named_modules()
@@ -371,7 +371,7 @@ class _FakeSession:
 def test_generate_stop_understands_typed_escapes(monkeypatch, capsys):
     """`--stop '\\n\\n'` (a shell passes backslash + n) stops at a blank line, as the README
     shows; other backslashes stay as typed."""
-    import runtime
+    import edgeprune_runtime as runtime
 
     seen = {}
     monkeypatch.setattr(runtime, "load", lambda *a, **kw: _FakeSession(seen))
@@ -421,8 +421,8 @@ def test_cli_errors_name_flags_not_python_arguments(tmp_path, capsys):
 def test_generate_prompt_lookup_flags(monkeypatch, capsys, tmp_path):
     """`--prompt-lookup-num-tokens` / `--max-matching-ngram-size` reach the runtime, and a
     bad value is a one-line error naming the flag."""
-    import runtime
-    from runtime.lookup import check_lookup_args
+    import edgeprune_runtime as runtime
+    from edgeprune_runtime.lookup import check_lookup_args
 
     seen = {}
     monkeypatch.setattr(runtime, "load", lambda *a, **kw: _FakeSession(seen))
@@ -512,7 +512,7 @@ def test_table_cells_and_json_of_tiny_or_infinite_figures():
     assert json.loads(json.dumps(_finite({"ppl": float("inf"), "x": [float("nan"), 1.0]}))) == \
         {"ppl": "inf", "x": ["nan", 1.0]}
     # the CLI's --json and every other JSON output go through the one writer
-    from runtime.files import json_ready
+    from edgeprune_runtime.files import json_ready
     assert _finite is json_ready
     assert _finite({"kl": np.float32(0.25), "n": np.int64(3)}) == {"kl": 0.25, "n": 3}
 

@@ -14,7 +14,7 @@ import torch
 from tiny import byte_tokenizer
 from edgeprune import countdown as cd
 from edgeprune.errors import ConfigError, UnsupportedArchitectureError
-from runtime.errors import ExportError, RuntimeLoadError
+from edgeprune_runtime.errors import ExportError, RuntimeLoadError
 
 
 def _calib(n=4, s=32, seed=1):
@@ -45,7 +45,7 @@ def specs(tiny):
 
 def _export(tmp_path, tiny, spec, name, graph_mode=None, **kw):
     """Export with the COUNTDOWN variant (``graph_mode``: a variant option, else the spec's)."""
-    from exporters import export_onnx
+    from edgeprune_exporters import export_onnx
     model, tok = tiny
     kw.setdefault("max_length", 128)
     v = spec if graph_mode is None else (spec, {"graph_mode": graph_mode})
@@ -239,7 +239,7 @@ def test_spec_layer_mismatch(tiny, specs):
 @pytest.mark.parametrize("mode", ["m", "d", "dl"])
 def test_onnx_sparse_graph_equals_reference(tmp_path, tiny, specs, mode):
     """Always-sparse graph == PyTorch reference at every position (fp32)."""
-    import runtime
+    import edgeprune_runtime as runtime
     model, tok = tiny
     spec = specs[mode][2]
     res = _export(tmp_path, tiny, spec, "sp", graph_mode="sparse")
@@ -312,8 +312,8 @@ def test_onnx_selects_same_coefficients(tmp_path, tiny, specs, mode):
 
 
 def test_if_graph_dense_prefill_sparse_decode_and_flag(tmp_path, tiny, specs):
-    import runtime.countdown
-    from runtime.countdown import CountdownSession
+    import edgeprune_runtime as runtime
+    from edgeprune_runtime.countdown import CountdownSession
     model, tok = tiny
     spec = specs["dl"][2]
     res = _export(tmp_path, tiny, spec, "if")
@@ -358,7 +358,7 @@ def test_if_graph_dense_prefill_sparse_decode_and_flag(tmp_path, tiny, specs):
     assert rb.token_ids[0] == dense_seq[:3]
     assert off.mlp_read_report()["mlp_bytes_fraction"] == 1.0
     with pytest.raises(RuntimeLoadError, match="COUNTDOWN"):
-        from exporters import export_onnx
+        from edgeprune_exporters import export_onnx
         export_onnx(model, tok, tmp_path / "plain_dense", max_length=128, validate=False)
         CountdownSession(tmp_path / "plain_dense")
 
@@ -388,7 +388,7 @@ def _decode_reference(model, spec, seq, n_prompt):
 
 
 def test_int4_export_runs_and_records_granularity(tmp_path, tiny, specs):
-    import runtime
+    import edgeprune_runtime as runtime
     model, tok = tiny
     spec = specs["m"][1]
     res = _export(tmp_path, tiny, spec, "q4", precision="int4", group_size=16)
@@ -414,8 +414,8 @@ def test_profiler_counts_the_weights_inside_if_branches(tmp_path, tiny, specs):
     """A COUNTDOWN graph's MLP lives in If branches: the profiler's bytes per token
     include it (an upper bound: the dense branch), and its node count takes the longer
     (filtered decode) branch; they were left out (half the bytes on this model)."""
-    from exporters import export_onnx
-    from devices.profiler import model_work
+    from edgeprune_exporters import export_onnx
+    from edgeprune_devices.profiler import model_work
     model, tok = tiny
     dense = model_work(export_onnx(model, tok, tmp_path / "dense", max_length=128, validate=False).folder)
     res = _export(tmp_path, tiny, specs["d"][1], "if")
@@ -432,7 +432,7 @@ def test_profiler_counts_the_weights_inside_if_branches(tmp_path, tiny, specs):
 def test_countdown_off_on_a_never_filtering_export(tmp_path, tiny, specs):
     """act_sparsity 0 exports a dense graph with no switch: countdown=False loads it (it
     raised, with a fix that re-exported the same folder)."""
-    import runtime
+    import edgeprune_runtime as runtime
     model, tok = tiny
     res = _export(tmp_path, tiny, specs["m"][0], "s0")
     assert json.loads((res.folder / "edgeprune.json").read_text())["variants"]["countdown"]["graph_mode"] == "dense"

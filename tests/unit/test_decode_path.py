@@ -17,7 +17,7 @@ CORPUS = " ".join(_CORPUS)
 
 @pytest.fixture(scope="module")
 def tiny_export(tmp_path_factory):
-    import runtime
+    import edgeprune_runtime as runtime
 
     folder, model, tok = export_tiny_llama(tmp_path_factory.mktemp("dp") / "fp32", max_length=128)
     with runtime.load(folder, threads=1) as sess:
@@ -40,7 +40,7 @@ def test_decode_path_matches_the_torch_model_and_the_one_pass(tiny_export):
 
 
 def test_decode_path_refuses_more_tokens_than_the_context(tiny_export):
-    from runtime.errors import GenerationError
+    from edgeprune_runtime.errors import GenerationError
 
     sess = tiny_export[0]
     with pytest.raises(GenerationError, match="do not fit"):

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-import devices
-from devices import DeviceProfile, load_profile, project, roofline_seconds
-from runtime.errors import DeviceError
+import edgeprune_devices as devices
+from edgeprune_devices import DeviceProfile, load_profile, project, roofline_seconds
+from edgeprune_runtime.errors import DeviceError
 
 
 def _prof(name, bw, fp32, int8=None, cls="mobile"):

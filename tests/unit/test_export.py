@@ -12,10 +12,10 @@ import onnx
 import pytest
 import torch
 
-import exporters
-import runtime
-from exporters.int4 import from_quantized, pack_matmulnbits, rtn_int
-from runtime.errors import ExportError, UnsupportedArchitectureError
+import edgeprune_exporters as exporters
+import edgeprune_runtime as runtime
+from edgeprune_exporters.int4 import from_quantized, pack_matmulnbits, rtn_int
+from edgeprune_runtime.errors import ExportError, UnsupportedArchitectureError
 
 from tiny import rand_ids, byte_tokenizer
 
@@ -377,7 +377,7 @@ def test_bad_inputs_leave_nothing(tiny_llama, tok, tmp_path, monkeypatch):
     with pytest.raises(ExportError, match="already exists"):
         exporters.export_onnx(tiny_llama, tok, tmp_path / "exists")
     # insufficient disk
-    import exporters.folder as folder
+    import edgeprune_exporters.folder as folder
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(folder.shutil, "disk_usage", lambda p: Usage(10, 10, 1000))
     with pytest.raises(ExportError, match="not enough disk space"):
@@ -390,7 +390,7 @@ def test_bad_inputs_leave_nothing(tiny_llama, tok, tmp_path, monkeypatch):
     with pytest.raises((ExportError, UnsupportedArchitectureError), match="up_proj"):
         exporters.export_onnx(broken, tok, tmp_path / "broken")
     # failure during the write (validation) -> temp folder removed
-    import exporters.validate as validate
+    import edgeprune_exporters.validate as validate
     monkeypatch.setattr(validate, "check_graph", lambda p: (_ for _ in ()).throw(
         ExportError("boom", "none")))
     with pytest.raises(ExportError, match="boom"):
@@ -444,7 +444,7 @@ def test_failed_validation_writes_nothing(tok, tmp_path):
     figures and succeed): here the model computes GELU while its config claims SiLU."""
     from transformers import LlamaConfig
     from tiny import tiny_model
-    from exporters.validate import check_parity
+    from edgeprune_exporters.validate import check_parity
     m = tiny_model(LlamaConfig, hidden_act="gelu")
     m.config.hidden_act = "silu"
     with pytest.raises(ExportError, match=r"validation failed: .* by up to 0\.4\d* \(allowed 0\.00\d* "

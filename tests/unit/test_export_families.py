@@ -14,11 +14,11 @@ import onnxruntime as ort
 import pytest
 import torch
 
-import exporters
-import runtime
-from exporters import BUILDERS, BuildOptions, DecoderSpec
-from runtime.errors import ExportError, UnsupportedArchitectureError
-from runtime.kv_cache import ConcatKVCache, KVSpec, RingKVCache
+import edgeprune_exporters as exporters
+import edgeprune_runtime as runtime
+from edgeprune_exporters import BUILDERS, BuildOptions, DecoderSpec
+from edgeprune_runtime.errors import ExportError, UnsupportedArchitectureError
+from edgeprune_runtime.kv_cache import ConcatKVCache, KVSpec, RingKVCache
 
 from tiny import byte_tokenizer, rand_ids, tiny_model
 
@@ -196,7 +196,7 @@ def test_softcaps_and_layer_mixes(tok, tmp_path, monkeypatch):
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
     from transformers.models.gemma3 import modeling_gemma3
-    from exporters.families import Gemma3Builder
+    from edgeprune_exporters.families import Gemma3Builder
 
     def capped(module, *a, **kw):
         return modeling_gemma3.eager_attention_forward(module, *a, **{**kw, "softcap": 2.0})

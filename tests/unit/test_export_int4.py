@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from edgeprune import quantize as q
-from exporters import int4
+from edgeprune_exporters import int4
 
 
 def _weights(rows: int, cols: int, seed: int) -> np.ndarray:
@@ -57,8 +57,8 @@ def test_one_default_group_size():
     """The export's RTN, the build options, export_onnx, the torch quantizer: 64."""
     import inspect
 
-    import exporters
-    from exporters.decoder import BuildOptions
+    import edgeprune_exporters as exporters
+    from edgeprune_exporters.decoder import BuildOptions
 
     assert int4.DEFAULT_GROUP_SIZE == q.DEFAULT_GROUP_SIZE == 64
     assert BuildOptions().group_size == 64

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-import exporters
-import runtime
-from exporters.sparse24 import compress_24, expand_24
-from runtime.errors import ExportError
+import edgeprune_exporters as exporters
+import edgeprune_runtime as runtime
+from edgeprune_exporters.sparse24 import compress_24, expand_24
+from edgeprune_runtime.errors import ExportError
 
 from tiny import rand_ids, byte_tokenizer
 
@@ -115,7 +115,7 @@ def test_sparse24_plus_int4(tiny_qwen2, tok, tmp_path):
 
 
 def test_tensorrt_sparsity_flag(monkeypatch):
-    from runtime import session
+    from edgeprune_runtime import session
     monkeypatch.setattr(session.ort, "get_available_providers",
                         lambda: ["TensorrtExecutionProvider", "CUDAExecutionProvider",
                                  "CPUExecutionProvider"])

@@ -87,11 +87,11 @@ def test_spec_file_errors(tmp_path):
 
 # ----------------------------------------------------------------- export registry
 def test_export_registry_composes_in_order_and_refuses_bad_requests(tiny_llama, tmp_path):
-    import exporters
-    from exporters.families import LlamaBuilder
-    from exporters.leank import LeanKMixin
-    from exporters.sparse24 import Compact24Mixin
-    from exporters.variants import compose_builder, variant_entries
+    import edgeprune_exporters as exporters
+    from edgeprune_exporters.families import LlamaBuilder
+    from edgeprune_exporters.leank import LeanKMixin
+    from edgeprune_exporters.sparse24 import Compact24Mixin
+    from edgeprune_exporters.variants import compose_builder, variant_entries
 
     cls = compose_builder(LlamaBuilder, ["compact24", "leank"])
     mro = cls.__mro__           # the first variant listed sits next to the base class

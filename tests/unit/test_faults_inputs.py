@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from _cli import one_line_error, run_cli
-from runtime.errors import GenerationError, RuntimeLoadError
+from edgeprune_runtime.errors import GenerationError, RuntimeLoadError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ def export_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def sess(export_dir):
-    import runtime
+    import edgeprune_runtime as runtime
 
     with runtime.load(export_dir, threads=1) as s:
         yield s
@@ -74,7 +74,7 @@ def test_missing_weights_file_is_named_by_us(export_dir, tmp_path):
     bad = tmp_path / "nodata"
     shutil.copytree(export_dir, bad)
     (bad / "model.onnx.data").unlink()
-    import runtime
+    import edgeprune_runtime as runtime
 
     with pytest.raises(RuntimeLoadError, match=r"model\.onnx\.data is missing \(the export wrote "
                                                 r"[\d,]+ bytes of weights there\)") as e:
@@ -95,7 +95,7 @@ def test_missing_weights_file_is_named_by_us(export_dir, tmp_path):
     ("tokenizer_config.json", None, [1, 2], "a JSON object expected, found list"),
 ])
 def test_damaged_tokenizer_settings_name_their_file(export_dir, tmp_path, name, field, value, needle):
-    import runtime
+    import edgeprune_runtime as runtime
 
     bad = tmp_path / "tok"
     shutil.copytree(export_dir, bad)

@@ -110,8 +110,8 @@ def _hashes(folder: Path) -> dict[str, str]:
 def _previous_intact(out: Path, before: dict) -> None:
     """``out`` is the previous output, byte for byte; or, killed between moving it aside
     and moving the new one in, the next claim puts it back untouched."""
-    from runtime.files import claim_output
-    from runtime.output_guard import FOLDER_OUTPUT
+    from edgeprune_runtime.files import claim_output
+    from edgeprune_runtime.output_guard import FOLDER_OUTPUT
 
     if not out.exists():
         with claim_output(out, FOLDER_OUTPUT, overwrite=True):
@@ -169,7 +169,7 @@ def test_compress_killed_leaves_previous_output_or_none(model_dir, tmp_path):
 
 
 def test_export_killed_leaves_previous_output_or_none(model_dir, tmp_path):
-    import runtime
+    import edgeprune_runtime as runtime
 
     outs = tmp_path / "outs"
     outs.mkdir()
@@ -188,7 +188,7 @@ def test_killed_profile_takes_its_worker_and_folder(model_dir, tmp_path):
     ``edgeprune-profile-*`` folder; one a killed profiler left is removed by the next run."""
     import psutil
 
-    from devices.profiler.measure import remove_stale_workdirs
+    from edgeprune_devices.profiler.measure import remove_stale_workdirs
 
     assert _edgeprune(None, tmp_path / "onnx", ["export", model_dir, tmp_path / "onnx",
                                                  "--max-length", "64", "--no-validate"]) == 0

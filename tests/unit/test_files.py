@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from _claims import claim_held_elsewhere, python_child
-from runtime.errors import CheckpointError, ConfigError, ExportError
-from runtime.files import (FILE_OUTPUT, FOLDER_OUTPUT, OutputClaim, OutputKind, atomic_folder,
+from edgeprune_runtime.errors import CheckpointError, ConfigError, ExportError
+from edgeprune_runtime.files import (FILE_OUTPUT, FOLDER_OUTPUT, OutputClaim, OutputKind, atomic_folder,
                            check_output, claim_output, json_ready, pid_alive, write_json)
 
 EXPORT = OutputKind("export", files=frozenset({"model.onnx", "edgeprune.json"}),
@@ -219,7 +219,7 @@ def test_a_dead_writers_lock_and_leftovers_are_removed_by_the_next_claim(tmp_pat
     out = tmp_path / "run"
     child = python_child(f"""
         import os, signal
-        from runtime.files import OutputClaim, atomic_folder
+        from edgeprune_runtime.files import OutputClaim, atomic_folder
         with OutputClaim({str(out)!r}), atomic_folder({str(out)!r}) as tmp:
             (tmp / "model.onnx.data").write_bytes(b"x" * (1 << 20))
             os.kill(os.getpid(), signal.SIGKILL)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.errors import EdgePruneError
+from edgeprune_runtime.errors import EdgePruneError
 
 #: cases per folder kind (the whole test stays well under a minute on a loaded machine)
 EXPORT_CASES = 300
@@ -125,7 +125,7 @@ def tiny_export(out: Path) -> Path:
     import torch
     from transformers import LlamaConfig
 
-    import exporters
+    import edgeprune_exporters as exporters
     from tiny import save_bpe_tokenizer, tiny_model
 
     tok = save_bpe_tokenizer(out.parent / "tok")
@@ -161,7 +161,7 @@ def checkpoint_dir(tmp_path_factory) -> Path:
 
 
 def _load_export(folder: Path) -> None:
-    import runtime
+    import edgeprune_runtime as runtime
 
     with runtime.load(folder, threads=1) as sess:
         sess.generate("Hello", max_new_tokens=2)

@@ -19,9 +19,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
-import exporters
-import runtime
-from exporters.genai import GENAI_GRAPH
+import edgeprune_exporters as exporters
+import edgeprune_runtime as runtime
+from edgeprune_exporters.genai import GENAI_GRAPH
 
 from tiny import byte_tokenizer, rand_ids
 

@@ -12,7 +12,7 @@ import pytest
 
 from tiny import export_tiny_llama
 
-from runtime import hugepages
+from edgeprune_runtime import hugepages
 
 HP = hugepages.HUGE_PAGE
 
@@ -77,8 +77,8 @@ def test_sessions_collapse_what_their_load_made_resident(tmp_path, monkeypatch):
     before are excluded), huge_pages=False skips it, outputs are the same. How much a
     real model gets is checked on SmolLM2 (integration test_runtime_memory_smollm2): a
     tiny model's weights may fit in memory the process already had."""
-    import runtime
-    import runtime.session as rs
+    import edgeprune_runtime as runtime
+    import edgeprune_runtime.session as rs
 
     folder, _, _ = export_tiny_llama(tmp_path / "tiny")
     calls = []

@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-import exporters
-import runtime
+import edgeprune_exporters as exporters
+import edgeprune_runtime as runtime
 from _cli import one_line_error, run_cli
 from edgeprune.errors import ConfigError, EdgePruneError
 from edgeprune.igprune import (IgPruneSpec, angular_mask, block_influence, calibrate_all,
                                check_skip_ratio, masked)
 from edgeprune.variants import load_spec, save_spec
-from exporters.igprune import model_fingerprint
-from runtime.errors import ExportError, GenerationError
-from runtime.igprune import IgPruneSession
+from edgeprune_exporters.igprune import model_fingerprint
+from edgeprune_runtime.errors import ExportError, GenerationError
+from edgeprune_runtime.igprune import IgPruneSession
 from tiny import byte_tokenizer, rand_ids, tiny_model
 
 L = 4
@@ -140,7 +140,7 @@ def test_generation_routes_once_and_skipped_attention_holds_no_kv(model, specs, 
         # a mask bypassing layer 1's attention: its cache stays empty through a pass
         mask = [1] * (2 * L)
         mask[2] = 0
-        from runtime.kv_cache import ConcatKVCache
+        from edgeprune_runtime.kv_cache import ConcatKVCache
         with s.using_mask(mask):
             s._route_rows([prompt])
             cache = ConcatKVCache(s.kv, 1)

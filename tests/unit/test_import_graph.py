@@ -1,5 +1,9 @@
 """The import graph of edgeprune, exporters, runtime and devices: no cycle, dependencies one way.
 
+The folders ``exporters/``, ``runtime/`` and ``devices/`` are imported as ``edgeprune_exporters``,
+``edgeprune_runtime`` and ``edgeprune_devices`` (pyproject.toml's package-dir); the short folder
+names are never import names.
+
 The contract (docs/architecture.md): ``edgeprune -> exporters -> runtime``, ``devices -> runtime``;
 ``runtime`` imports none of the others, ``exporters`` never imports ``edgeprune``, ``devices``
 imports neither ``edgeprune`` nor ``exporters``. Every module found under the four folders is
@@ -16,27 +20,35 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("edgeprune", "exporters", "runtime", "devices")
+#: folder -> import name
+PACKAGES = {"edgeprune": "edgeprune", "exporters": "edgeprune_exporters",
+            "runtime": "edgeprune_runtime", "devices": "edgeprune_devices"}
 
-#: package -> the packages of ours it must never import
+#: package (import name) -> the packages of ours it must never import
 FORBIDDEN = {
-    "runtime": {"edgeprune", "exporters", "devices"},
-    "exporters": {"edgeprune"},
-    "devices": {"edgeprune", "exporters"},
+    "edgeprune_runtime": {"edgeprune", "edgeprune_exporters", "edgeprune_devices"},
+    "edgeprune_exporters": {"edgeprune"},
+    "edgeprune_devices": {"edgeprune", "edgeprune_exporters"},
 }
 
 
 def module_files(root: Path, packages=PACKAGES) -> dict[str, Path]:
-    """``{dotted module name: file}`` of every ``.py`` file under ``root/<package>``
-    (a package's ``__init__.py`` is named after the package)."""
+    """``{dotted module name: file}`` of every ``.py`` file under ``root/<folder>`` for each
+    ``folder -> import name`` of ``packages`` (a package's ``__init__.py`` is named after it)."""
     mods = {}
-    for pkg in packages:
-        for path in sorted((root / pkg).rglob("*.py")):
-            parts = list(path.relative_to(root).with_suffix("").parts)
+    for folder, name in packages.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = [name, *path.relative_to(root / folder).with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts.pop()
             mods[".".join(parts)] = path
     return mods
+
+
+def imported_names(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """``{module: every dotted name it imports}`` (see :func:`_imported_names`)."""
+    return {m: _imported_names(ast.parse(p.read_text(encoding="utf-8"), filename=str(p)), m,
+                               p.name == "__init__.py") for m, p in mods.items()}
 
 
 def _imported_names(tree: ast.AST, module: str, is_package: bool) -> set[str]:
@@ -63,9 +75,8 @@ def import_edges(mods: dict[str, Path]) -> dict[str, set[str]]:
     longest module of ``mods`` it names or lies in; a module's own ancestors (packages
     Python initialises before it anyway) and itself are left out."""
     graph = {m: set() for m in mods}
-    for m, path in mods.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        for name in _imported_names(tree, m, path.name == "__init__.py"):
+    for m, names in imported_names(mods).items():
+        for name in names:
             while name and name not in mods:
                 name = name.rpartition(".")[0]
             if name and name != m and not m.startswith(name + "."):
@@ -162,26 +173,27 @@ def test_edges_resolve_relative_and_function_level_imports(tmp_path):
     files = {
         "runtime/__init__.py": "from .session import load\n",
         "runtime/session.py": "import numpy as np\nfrom . import memory\nfrom .errors import E\n"
-                              "def f():\n    from devices.profiler import profile\n",
-        "runtime/memory.py": "import runtime\nfrom runtime.errors import E\n",
+                              "def f():\n    from edgeprune_devices.profiler import profile\n",
+        "runtime/memory.py": "import edgeprune_runtime\nfrom edgeprune_runtime.errors import E\n",
         "runtime/errors.py": "",
         "devices/__init__.py": "",
         "devices/profiler/__init__.py": "from ..catalog import x\nfrom .run import profile\n",
-        "devices/profiler/run.py": "from runtime.session import load\n",
+        "devices/profiler/run.py": "from edgeprune_runtime.session import load\n",
         "devices/catalog.py": "",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    mods = module_files(tmp_path, ("runtime", "devices"))
+    mods = module_files(tmp_path, {"runtime": "edgeprune_runtime", "devices": "edgeprune_devices"})
     g = import_edges(mods)
-    assert g["runtime"] == {"runtime.session"}
-    assert g["runtime.session"] == {"runtime.memory", "runtime.errors", "devices.profiler"}
-    assert g["runtime.memory"] == {"runtime.errors"}
-    assert g["devices.profiler"] == {"devices.catalog", "devices.profiler.run"}
-    assert rule_violations(g) == ["runtime.session -> devices.profiler"]
-    assert find_cycles(g) == [["devices.profiler", "devices.profiler.run", "runtime.session",
-                               "devices.profiler"]]
+    rt, dv = "edgeprune_runtime", "edgeprune_devices"
+    assert g[rt] == {f"{rt}.session"}
+    assert g[f"{rt}.session"] == {f"{rt}.memory", f"{rt}.errors", f"{dv}.profiler"}
+    assert g[f"{rt}.memory"] == {f"{rt}.errors"}
+    assert g[f"{dv}.profiler"] == {f"{dv}.catalog", f"{dv}.profiler.run"}
+    assert rule_violations(g) == [f"{rt}.session -> {dv}.profiler"]
+    assert find_cycles(g) == [[f"{dv}.profiler", f"{dv}.profiler.run", f"{rt}.session",
+                               f"{dv}.profiler"]]
 
 
 # ---------------------------------------------------------------------------- the tree
@@ -189,8 +201,20 @@ def test_edges_resolve_relative_and_function_level_imports(tmp_path):
 @pytest.fixture(scope="module")
 def graph():
     mods = module_files(ROOT)
-    assert {m.split(".")[0] for m in mods} == set(PACKAGES)
+    assert {m.split(".")[0] for m in mods} == set(PACKAGES.values())
     return import_edges(mods)
+
+
+def test_folder_names_are_never_imported():
+    """No module of ours, test or bench imports ``runtime``, ``exporters`` or ``devices`` by
+    the folder's short name (those names belong to other distributions on PyPI)."""
+    mods = module_files(ROOT)
+    for extra in ("tests", "bench"):
+        for path in sorted((ROOT / extra).rglob("*.py")):
+            mods[f"_{extra}." + ".".join(path.relative_to(ROOT / extra).with_suffix("").parts)] = path
+    bad = sorted(f"{m} imports {n}" for m, names in imported_names(mods).items() for n in names
+                 if n.split(".")[0] in ("runtime", "exporters", "devices"))
+    assert not bad, "\n".join(bad)
 
 
 def test_no_import_cycle_between_modules(graph):

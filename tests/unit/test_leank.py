@@ -213,7 +213,7 @@ def _export(model, tmp_path, name, mask=None, sink=None, window=None, **kw):
     the mask's export regime, else its own)."""
     import dataclasses
 
-    import exporters
+    import edgeprune_exporters as exporters
     if mask is not None:
         kw["variants"] = [dataclasses.replace(mask, sink=sink if sink is not None else mask.sink,
                                               window=window if window is not None else mask.window)]
@@ -223,8 +223,8 @@ def _export(model, tmp_path, name, mask=None, sink=None, window=None, **kw):
 @pytest.mark.parametrize("graph", ["plain", "fused"])
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
 def test_export_equals_reference_prefill_chunked_decode(arch, graph, tmp_path, request):
-    import runtime
-    from runtime.leank import LeanKSession
+    import edgeprune_runtime as runtime
+    from edgeprune_runtime.leank import LeanKSession
     model = request.getfixturevalue(arch)
     mk = learn_mask(model, _calib(), 0.5, method="magnitude", alignment=4)
     ids = rand_ids(50, seed=1)
@@ -246,7 +246,7 @@ def test_export_equals_reference_prefill_chunked_decode(arch, graph, tmp_path, r
 
 
 def test_dead_heads_and_dead_layer_drop_middle_v(tiny_llama, tmp_path):
-    import runtime
+    import edgeprune_runtime as runtime
     D = 16
     mk = LeanKMask(keep=[[[], []], [[0, 1, 2, 3], list(range(8))]],
                    scales=[[[], []], [[0.5] * 4, [1.0] * 8]], head_dim=D, k_keep=0.2,
@@ -264,7 +264,7 @@ def test_dead_heads_and_dead_layer_drop_middle_v(tiny_llama, tmp_path):
 
 
 def test_keep_one_export_equals_plain_export(tiny_llama, tmp_path):
-    import runtime
+    import edgeprune_runtime as runtime
     L, N, KV, D = kv_geometry(tiny_llama)
     ids = rand_ids(60, seed=4)
     a = runtime.load(_export(tiny_llama, tmp_path, "full", graph="plain",
@@ -276,7 +276,7 @@ def test_keep_one_export_equals_plain_export(tiny_llama, tmp_path):
 
 def test_int4_composes(tiny_llama, tmp_path):
     """int4 weights (MatMulNBits) + LeanK keep 1.0 == the dense fused int4 export."""
-    import runtime
+    import edgeprune_runtime as runtime
     L, N, KV, D = kv_geometry(tiny_llama)
     ids = rand_ids(40, seed=5)
     lk = _export(tiny_llama, tmp_path, "lk4", precision="int4", graph="fused",
@@ -290,7 +290,7 @@ def test_int4_composes(tiny_llama, tmp_path):
 
 
 def test_k_cache_bytes_match_mask_fraction(tiny_qwen2, tmp_path):
-    import runtime
+    import edgeprune_runtime as runtime
     mk = learn_mask(tiny_qwen2, _calib(), 0.25, method="magnitude", alignment=4)
     s = runtime.load(_export(tiny_qwen2, tmp_path, "b", mask=mk, sink=4,
                              window=12).folder)
@@ -301,8 +301,8 @@ def test_k_cache_bytes_match_mask_fraction(tiny_qwen2, tmp_path):
 
 
 def test_runtime_generate_and_errors(tiny_llama, tmp_path):
-    import exporters
-    import runtime
+    import edgeprune_exporters as exporters
+    import edgeprune_runtime as runtime
     mk = learn_mask(tiny_llama, _calib(), 0.5, method="magnitude", alignment=4)
     s = runtime.load(_export(tiny_llama, tmp_path, "g", mask=mk, sink=2,
                              window=4).folder)

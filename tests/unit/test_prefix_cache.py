@@ -10,11 +10,11 @@ import threading
 import numpy as np
 import pytest
 
-import exporters
-import runtime
-from runtime.countdown import CountdownSession
-from runtime.kv_reuse import common_prefix_length
-from runtime.leank import LeanKSession
+import edgeprune_exporters as exporters
+import edgeprune_runtime as runtime
+from edgeprune_runtime.countdown import CountdownSession
+from edgeprune_runtime.kv_reuse import common_prefix_length
+from edgeprune_runtime.leank import LeanKSession
 
 from tiny import byte_tokenizer, export_tiny_llama, rand_ids, tiny_model
 
@@ -111,7 +111,7 @@ def test_batches_and_reallocation_recompute(tiny):
 def test_growing_buffers_keep_the_prefix(tiny, monkeypatch):
     """Buffers sized per call (long contexts) grow with the conversation: the cached rows
     are copied into the larger ones, and the tokens stay those of a recomputation."""
-    import runtime.generation as rg
+    import edgeprune_runtime.generation as rg
 
     monkeypatch.setattr(rg, "FULL_KV_BYTES", 0)
     monkeypatch.setattr(rg, "KV_CHUNK", 16)

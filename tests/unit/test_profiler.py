@@ -8,9 +8,9 @@ import re
 import pytest
 from tiny import export_tiny_llama
 
-import devices
-from runtime.errors import DeviceError, GenerationError, RuntimeLoadError
-from devices.profiler import gpu_availability, model_work, profile
+import edgeprune_devices as devices
+from edgeprune_runtime.errors import DeviceError, GenerationError, RuntimeLoadError
+from edgeprune_devices.profiler import gpu_availability, model_work, profile
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_projections_are_a_table_of_their_own(tiny_folder):
 
 
 def test_default_sweep_is_bounded_and_plots_to_a_named_temporary_folder(tiny_folder, tmp_path, monkeypatch):
-    from devices.profiler.run import PLOT_DIR_PREFIX
+    from edgeprune_devices.profiler.run import PLOT_DIR_PREFIX
 
     monkeypatch.chdir(tmp_path)
     r = profile(tiny_folder, "cpu-host", prompt_len=8, gen_len=4, repeat=1, sweep=True)
@@ -185,7 +185,7 @@ def test_sweep_plot_log_axis_and_model_title(tiny_folder, tmp_path):
 
 
 def test_model_name_from_the_export_record():
-    from devices.profiler.report import model_name
+    from edgeprune_devices.profiler.report import model_name
 
     ckpt_export = {"precision": "int4", "provenance": {"source": "/x/ckpt", "compression": {
         "provenance": {"source": {"kind": "alias", "spec": "smollm2-135m", "path": "/p/a.gguf"}}}}}
@@ -195,7 +195,7 @@ def test_model_name_from_the_export_record():
 
 
 def test_progress_counts_every_step(tiny_folder):
-    from devices.profiler import measure
+    from edgeprune_devices.profiler import measure
 
     cfg = {"folder": str(tiny_folder), "device": "cpu", "threads": 1, "prompt_len": 8, "gen_len": 4,
            "repeat": 2, "sweep": [32], "max_length": 64, "budget_bytes": 0, "profile_name": "cpu-host"}

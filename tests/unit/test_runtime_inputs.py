@@ -11,11 +11,11 @@ import threading
 import numpy as np
 import pytest
 
-import exporters
-import runtime
-import runtime.generation as rg
-import runtime.memory as rm
-from runtime.errors import DeviceError, GenerationError, RuntimeLoadError
+import edgeprune_exporters as exporters
+import edgeprune_runtime as runtime
+import edgeprune_runtime.generation as rg
+import edgeprune_runtime.memory as rm
+from edgeprune_runtime.errors import DeviceError, GenerationError, RuntimeLoadError
 
 from tiny import byte_tokenizer
 
@@ -319,8 +319,8 @@ def test_truncated_weight_file_is_named(tmp_path):
 
 
 def test_profile_checks_arguments_before_measuring(folder, monkeypatch, tmp_path):
-    import devices.profiler as rp
-    import devices.profiler.measure as measure
+    import edgeprune_devices.profiler as rp
+    import edgeprune_devices.profiler.measure as measure
 
     def no(*a, **k):
         raise AssertionError("measured before checking the arguments")
@@ -334,8 +334,8 @@ def test_profile_checks_arguments_before_measuring(folder, monkeypatch, tmp_path
     # the targets are read before measuring: a broken profile file failed only after the
     # whole run (its measurement lost); cpu-host projects only to targets asked for
     import shutil
-    import devices
-    import devices.catalog
+    import edgeprune_devices as devices
+    import edgeprune_devices.catalog  # noqa: F401
     broken = tmp_path / "profiles"
     shutil.copytree(devices.PROFILE_DIR, broken)
     (broken / "raspberry-pi-5.toml").write_text("name = [unclosed")

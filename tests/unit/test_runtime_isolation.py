@@ -1,4 +1,4 @@
-"""`import runtime` and a full generate work with torch and transformers made unimportable, and
+"""`import edgeprune_runtime` and a full generate work with torch and transformers made unimportable, and
 load none of onnx, matplotlib, torch, transformers, devices, edgeprune, exporters (the runtime
 is what apps embed; the profiler lives in devices and is never on its import path)."""
 
@@ -21,7 +21,8 @@ CHILD = textwrap.dedent("""
     import importlib.abc, json, sys
 
     class Block(importlib.abc.MetaPathFinder):
-        BLOCKED = ("torch", "transformers", "edgeprune", "exporters", "accelerate", "optimum")
+        BLOCKED = ("torch", "transformers", "edgeprune", "edgeprune_exporters", "exporters", "accelerate",
+                   "optimum")
         def find_spec(self, name, path=None, target=None):
             if name.split(".")[0] in self.BLOCKED:
                 raise ImportError(f"{name} is blocked in this test")
@@ -36,19 +37,20 @@ CHILD = textwrap.dedent("""
         except ImportError:
             pass
 
-    import runtime
-    from runtime import sampling, tokenizer  # noqa: F401
+    import edgeprune_runtime as runtime
+    from edgeprune_runtime import sampling, tokenizer  # noqa: F401
     s = runtime.load(folder, threads=1)
     r = s.generate(prompt, max_new_tokens=12)
     streamed = "".join(s.stream(prompt, max_new_tokens=12))
     sampled = s.generate(prompt, max_new_tokens=12, temperature=0.8, top_k=20, top_p=0.9, seed=3)
     s.close()
     # nothing heavy or of the other packages on the runtime's path
-    heavy = ("onnx", "matplotlib", "torch", "transformers", "devices", "edgeprune", "exporters")
+    heavy = ("onnx", "matplotlib", "torch", "transformers", "edgeprune_devices", "edgeprune",
+             "edgeprune_exporters", "devices", "exporters", "runtime")
     by_runtime = sorted(m for m in sys.modules if m.split(".")[0] in heavy)
     # devices (profiles, the profiler) works beside it, still without torch
-    import devices
-    import devices.profiler  # noqa: F401
+    import edgeprune_devices as devices
+    import edgeprune_devices.profiler  # noqa: F401
     prof = devices.load_profile("raspberry-pi-5")
     bad = sorted(m for m in sys.modules if m.split(".")[0] in Block.BLOCKED)
     print(json.dumps({"ids": r.token_ids[0], "text": r.text, "streamed": streamed,
@@ -92,7 +94,7 @@ def test_runtime_runs_without_torch_and_transformers(tiny, tmp_path):
 
 
 def test_import_runtime_and_generate_loads_no_heavy_or_foreign_module(tiny, tmp_path):
-    """With everything importable, `import runtime` and a generation still load none of
+    """With everything importable, `import edgeprune_runtime` and a generation still load none of
     onnx, matplotlib, torch, transformers, devices, edgeprune, exporters."""
     folder, _, _ = tiny
     res = _child(folder, "Hello", "open", tmp_path)

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-import exporters
-import runtime
-from runtime.errors import GenerationError
-from runtime.lookup import DraftController, adapt_draft_len, check_lookup_args, find_draft
+import edgeprune_exporters as exporters
+import edgeprune_runtime as runtime
+from edgeprune_runtime.errors import GenerationError
+from edgeprune_runtime.lookup import DraftController, adapt_draft_len, check_lookup_args, find_draft
 
 from tiny import rand_ids, byte_tokenizer
 
@@ -202,8 +202,8 @@ def test_close_mid_generation_stops_confirmed_drafts_too(folders, no_gate):
 def test_draft_length_adapts_pass_by_pass(folders, monkeypatch, no_gate):
     """Each pass drafts at most what the schedule allows after the previous pass: the
     full prompt_lookup_num_tokens after confirmed drafts, fewer after rejections."""
-    import runtime.generation as rg
-    import runtime.session as rs
+    import edgeprune_runtime.generation as rg
+    import edgeprune_runtime.session as rs
     _, f = folders
     ids = _repetitive()
     asked, passes = [], []

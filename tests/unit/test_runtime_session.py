@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-import exporters
-import runtime
-from runtime.errors import GenerationError, RuntimeLoadError
+import edgeprune_exporters as exporters
+import edgeprune_runtime as runtime
+from edgeprune_runtime.errors import GenerationError, RuntimeLoadError
 
 from tiny import rand_ids, byte_tokenizer
 
@@ -270,7 +270,7 @@ def test_two_sessions_in_threads(folders):
 
 
 def test_runtime_without_torch(folders):
-    """`import runtime` and a full generate with torch/transformers unimportable."""
+    """`import edgeprune_runtime` and a full generate with torch/transformers unimportable."""
     _, f = folders
     code = (
         "import sys\n"
@@ -279,7 +279,7 @@ def test_runtime_without_torch(folders):
         "        if name.split('.')[0] in ('torch', 'transformers'):\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import runtime\n"
+        "import edgeprune_runtime as runtime\n"
         f"s = runtime.load({str(f['fused'])!r})\n"
         "r = s.generate('hello', max_new_tokens=8)\n"
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
@@ -309,7 +309,7 @@ def test_mapped_weight_pages_dropped_for_a_freshly_written_folder(tmp_path, monk
     with runtime.load(tmp_path / "a") as s:
         ref = s.logits(ids)
     shutil.copytree(tmp_path / "a", tmp_path / "fresh")   # new file: dirty page cache
-    import runtime.memory as rm
+    import edgeprune_runtime.memory as rm
     # the load's page-cache re-read (POSIX_FADV_DONTNEED) starts writeback of the dirty
     # pages; skip it so this checks the drop rule itself
     monkeypatch.setattr(rm, "small_page_cache", lambda path, ranges=None: False)
@@ -328,7 +328,7 @@ def test_small_page_cache_reads_only_the_row_read_tables(tmp_path, monkeypatch):
     import onnx
     from transformers import LlamaConfig
     from tiny import tiny_model
-    import runtime.memory as rm
+    import edgeprune_runtime.memory as rm
     model = tiny_model(LlamaConfig, tie_word_embeddings=True)
     r = exporters.export_onnx(model, byte_tokenizer(), tmp_path / "a", precision="int4",
                               max_length=64, validate=False)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.errors import GenerationError
-from runtime.sampling import Sampler, apply_repetition_penalty
+from edgeprune_runtime.errors import GenerationError
+from edgeprune_runtime.sampling import Sampler, apply_repetition_penalty
 
 
 def test_greedy_is_argmax_per_row():

@@ -25,9 +25,9 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-import runtime  # noqa: E402
-from runtime.serve import create_app, load_slots  # noqa: E402
-from runtime.serve.app import ServerThread  # noqa: E402
+import edgeprune_runtime as runtime  # noqa: E402
+from edgeprune_runtime.serve import create_app, load_slots  # noqa: E402
+from edgeprune_runtime.serve.app import ServerThread  # noqa: E402
 
 from tiny import export_tiny_llama  # noqa: E402
 
@@ -252,11 +252,11 @@ def test_size_limit_and_bad_requests(tiny):
 
 def _cancelled_lines(caplog):
     return [r.getMessage() for r in caplog.records
-            if r.name == "runtime.serve" and "cancelled" in r.getMessage()]
+            if r.name == "edgeprune_runtime.serve" and "cancelled" in r.getMessage()]
 
 
 def test_client_disconnect_stops_the_generation_and_frees_kv(tiny, caplog):
-    caplog.set_level(logging.INFO, logger="runtime.serve")
+    caplog.set_level(logging.INFO, logger="edgeprune_runtime.serve")
     with serving(tiny, slots=1, delay=0.005) as (srv, sessions, client, _):
         client.chat.completions.create(model="tiny", messages=USER, max_tokens=4, temperature=0)
         assert sessions[0].kv_cache_state()["cached_tokens"] > 0
@@ -294,22 +294,22 @@ def test_server_imports_no_torch_and_names_the_missing_extra(tiny):
         "        if name.split('.')[0] in sys.argv[2].split(','):\n"
         "            raise ImportError(f'{name} is blocked', name=name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "from runtime.serve import create_app, load_slots\n"
+        "from edgeprune_runtime.serve import create_app, load_slots\n"
         "try:\n"
         "    app = create_app(load_slots(sys.argv[1]), 'tiny')\n"
         "except Exception as e:\n"
         "    print(json.dumps({'error': type(e).__name__, 'text': str(e)})); raise SystemExit\n"
-        "from runtime.serve.app import ServerThread\n"
+        "from edgeprune_runtime.serve.app import ServerThread\n"
         "with ServerThread(app) as srv:\n"
         "    req = urllib.request.Request(srv.url + '/v1/completions', method='POST',\n"
         "        data=json.dumps({'prompt': 'hello', 'max_tokens': 3}).encode(),\n"
         "        headers={'Content-Type': 'application/json'})\n"
         "    out = json.loads(urllib.request.urlopen(req).read())\n"
-        "ours = ('torch', 'transformers', 'edgeprune', 'exporters', 'devices', 'onnx')\n"
+        "ours = ('torch', 'transformers', 'edgeprune', 'edgeprune_exporters', 'edgeprune_devices', 'onnx')\n"
         "print(json.dumps({'tokens': out['usage']['completion_tokens'],\n"
         "                  'loaded': sorted(m for m in sys.modules if m.split('.')[0] in ours)}))\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    blocked = "torch,transformers,edgeprune,exporters,devices"
+    blocked = "torch,transformers,edgeprune,edgeprune_exporters,edgeprune_devices"
     out = subprocess.run([sys.executable, "-c", code, str(tiny), blocked], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

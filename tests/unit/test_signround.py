@@ -109,8 +109,8 @@ def test_learned_offsets_and_clipping_stay_in_bounds(tiny_llama):
 
 
 def test_packed_int4_export_matches_the_fake_quant_model(tiny_llama, tmp_path):
-    import exporters
-    import runtime
+    import edgeprune_exporters as exporters
+    import edgeprune_runtime as runtime
 
     res = compress(tiny_llama, SignRoundConfig(bits=4, group_size=32, iters=20, batch_size=4), _calib(),
                    progress=False)

@@ -7,8 +7,8 @@ import json
 import pytest
 from tiny import CORPUS, save_bpe_tokenizer
 
-from runtime.errors import GenerationError, RuntimeLoadError
-from runtime.tokenizer import IncrementalDecoder, Tokenizer
+from edgeprune_runtime.errors import GenerationError, RuntimeLoadError
+from edgeprune_runtime.tokenizer import IncrementalDecoder, Tokenizer
 
 TEXTS = ["Hello world!", "The quick brown fox", "  two  spaces\nand a newline",
          "models run on phones, laptops.", "", "<|im_start|>user\nHello<|im_end|>"]

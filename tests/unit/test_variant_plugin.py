@@ -18,12 +18,12 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-import exporters
-import runtime
+import edgeprune_exporters as exporters
+import edgeprune_runtime as runtime
 from edgeprune.variants import VARIANTS, VariantSpec, load_spec, register_variant, save_spec
-from exporters.variants import EXPORT_VARIANTS, VariantMixin, register_export_variant
-from runtime.session import Session
-from runtime.variants import SESSIONS, register_session, variant_records
+from edgeprune_exporters.variants import EXPORT_VARIANTS, VariantMixin, register_export_variant
+from edgeprune_runtime.session import Session
+from edgeprune_runtime.variants import SESSIONS, register_session, variant_records
 from tiny import byte_tokenizer, rand_ids
 
 
