@@ -150,6 +150,18 @@ def _vm_hwm() -> int:
     return 0
 
 
+def _reset_hwm() -> bool:
+    """Reset this process's RSS high-water mark to its current RSS (Linux 4.0+: ``5`` written
+    to ``/proc/self/clear_refs``), so an in-process measurement's peak is its own, not that
+    of whatever the caller held before (a test session's earlier multi-GB models).
+    ``False`` where the kernel does not allow it (the peak then includes the earlier one)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
 def _prompt_ids(tokenizer, n: int, vocab: int) -> list[int]:
     """``n`` prompt ids: a fixed English text, encoded and repeated (ids below ``vocab``)."""
     ids = tokenizer.encode(_PROMPT_TEXT) if tokenizer is not None else []
@@ -186,6 +198,7 @@ def measure_export(cfg: dict, on_step: Optional[Callable[[], None]] = None) -> d
     """
     import edgeprune_runtime as runtime
 
+    _reset_hwm()
     with RSSWatch(cfg.get("budget_bytes"), cfg.get("status_path"), cfg.get("profile_name", "")) as watch:
         rss_start = watch.rss()
         sess = runtime.load(cfg["folder"], device=cfg["device"], threads=cfg["threads"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from tiny import export_tiny_llama
@@ -126,6 +127,22 @@ def test_bad_inputs(tiny_folder, tmp_path):
     assert r.measured["final_length"] == 513 and r.measured["kv_tokens"] == 512
     with pytest.raises(GenerationError, match="repeat"):
         profile(tiny_folder, "cpu-host", repeat=0)
+
+
+def test_in_process_peak_is_the_runs_own(tiny_folder):
+    """An earlier, freed allocation of the caller does not count as the profile's peak (the
+    high-water mark is reset first): the test session's real models once pushed a tiny
+    export's in-process peak over the host budget."""
+    import numpy as np
+    from edgeprune_devices.profiler.measure import _vm_hwm
+    big = np.ones(300 * 2**20 // 8)          # 300 MiB, touched
+    big[::512] = 2.0
+    del big
+    hwm = _vm_hwm()
+    r = profile(tiny_folder, "cpu-host", prompt_len=8, gen_len=4, repeat=1, isolate=False)
+    if Path("/proc/self/clear_refs").exists():
+        assert r.measured["peak_rss_bytes"] < hwm - 200 * 2**20
+    assert r.measured["peak_rss_bytes"] >= r.measured["rss_loaded_bytes"]
 
 
 def test_threads_override(tiny_folder):
