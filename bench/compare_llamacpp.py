@@ -684,6 +684,11 @@ def quality_report(model: str, cp: str, variants, quants, ppl: dict, sizes: dict
     dense = pv("dense")
     if "dense" in ppl:
         recs.append(benchlib.record(f"{cp}dense_fp32", "ppl", dense, peer="PyTorch"))
+        shipped = MODELS.get(model, {}).get("shipped", "?")
+        recs.append(benchlib.note_record(
+            f"{cp}dense_fp32", f"the dense model is the shipped GGUF ({shipped}) dequantized to float32 "
+            f"(edgeprune.load_model): llama.cpp {shipped} runs the same weights (near dense by "
+            "construction); ours and the other quantizations re-quantize them", peer="PyTorch"))
         if "error" in ppl["dense"]:
             recs.append(benchlib.error_record(f"{cp}dense_fp32", ppl["dense"]["error"], peer="PyTorch",
                                               side="ours"))
