@@ -41,7 +41,7 @@ speed runs (perplexity, bits and sizes only); the dense and llama.cpp perplexiti
 cached under ``bench/.cache/llamacpp/ppl`` (same file, same windows)::
 
     python bench/compare_llamacpp.py --model qwen2.5-coder-0.5b --repeat 0 --path-tokens 0 \
-        --variants rtn-g64 --json bench/results/compare_llamacpp_qwen2.5-coder-0.5b.json
+        --variants rtn-g64,gptq-g64 --json bench/results/compare_llamacpp_qwen2.5-coder-0.5b.json
 
 Usage::
 
@@ -936,9 +936,10 @@ def main(argv=None) -> int:
         return d
 
     # --- table and records
+    cw = 26 + len(cp)                         # the case column (a model prefix widens it)
     if settings:
         print()
-        hdr = (f"{'case':<26}{'impl':<22}{'decode tok/s':>13}{'prefill tok/s':>15}{'peak RSS MiB':>14}"
+        hdr = (f"{'case':<{cw}}{'impl':<22}{'decode tok/s':>13}{'prefill tok/s':>15}{'peak RSS MiB':>14}"
                f"{'BW limit':>10}{'of limit':>10}{'ppl':>9}")
         print(hdr)
         print("-" * len(hdr))
@@ -958,20 +959,20 @@ def main(argv=None) -> int:
                 for name, d, k in ((f"ours {v}", o, v), (f"llama.cpp {q}", th, q)):
                     if d:
                         pv = pp(k)
-                        print(f"{case:<26}{name:<22}{d['decode_tok_s']:>13.1f}{d['prefill_tok_s']:>15.1f}"
+                        print(f"{case:<{cw}}{name:<22}{d['decode_tok_s']:>13.1f}{d['prefill_tok_s']:>15.1f}"
                               f"{d['peak_rss_mib']:>14.1f}{d['bandwidth_limit_tok_s']:>10.1f}"
                               f"{100 * d['bandwidth_fraction']:>9.0f}%{'-' if pv is None else round(pv, 2):>9}")
                     else:
                         err = errors.get((f"ours:{v}", st) if name.startswith("ours") else (q, st)) or \
                             ours_errs.get(v) or peer_err or "not run"
-                        print(f"{case:<26}{name:<22}  FAILED: {err[:120]}")
+                        print(f"{case:<{cw}}{name:<22}  FAILED: {err[:120]}")
                 pr = paired_ratio(f"ours:{v}", q, st)
                 if o and th:
-                    print(f"{'':<26}{'ratio ours/llama.cpp':<22}  decode {o['decode_tok_s'] / th['decode_tok_s']:.2f}x, "
+                    print(f"{'':<{cw}}{'ratio ours/llama.cpp':<22}  decode {o['decode_tok_s'] / th['decode_tok_s']:.2f}x, "
                           f"prefill {o['prefill_tok_s'] / th['prefill_tok_s']:.2f}x, "
                           f"RSS {o['peak_rss_mib'] / th['peak_rss_mib']:.2f}x")
                 if pr:
-                    print(f"{'':<26}{'paired, same round':<22}  decode {pr[0]:.2f}x "
+                    print(f"{'':<{cw}}{'paired, same round':<22}  decode {pr[0]:.2f}x "
                           f"(rounds {pr[1]:.2f}-{pr[2]:.2f}, n={pr[3]})")
                     records += [benchlib.record(case, "decode_ratio_paired", pr[0], peer=PEER),
                                 benchlib.record(case, "decode_ratio_paired_min", pr[1], peer=PEER),
@@ -992,7 +993,7 @@ def main(argv=None) -> int:
                         case, errors.get((f"ours:{v}", st)) or ours_errs.get(v) or "not run",
                         peer=PEER, side="ours"))
                 if o and o.get("draft_acceptance") is not None:
-                    print(f"{'':<26}{'prompt lookup (ours)':<22}  {100 * o['draft_acceptance']:.0f}% "
+                    print(f"{'':<{cw}}{'prompt lookup (ours)':<22}  {100 * o['draft_acceptance']:.0f}% "
                           "of the draft tokens confirmed")
                     records.append(benchlib.record(case, "draft_acceptance", o["draft_acceptance"]))
                 if st == settings[0] and (pp(v) or pp(q)):
