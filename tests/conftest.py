@@ -4,6 +4,7 @@ SmolLM2-135M, Gemma 3 270M and Qwen2.5-Coder-0.5B (integration)."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,16 @@ import pytest
 from tiny import tiny_model
 
 SHARED = Path(os.environ.get("EDGEPRUNE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+
+
+@pytest.fixture
+def benchlib(monkeypatch):
+    """``bench/benchlib.py``, registered in ``sys.modules`` for the test so that bench
+    scripts loaded after it (``import benchlib``) find this copy."""
+    from bench_modules import load_bench
+    mod = load_bench("benchlib")
+    monkeypatch.setitem(sys.modules, "benchlib", mod)
+    return mod
 
 
 @pytest.fixture

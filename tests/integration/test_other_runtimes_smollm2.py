@@ -13,7 +13,6 @@ properties::
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
@@ -24,21 +23,13 @@ import pytest
 import edgeprune_runtime as runtime
 from edgeprune.cli import main as cli
 
+from bench_modules import peer_python
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 64
 PROMPT_TOKENS = 48
-
-
-def _peer_python(name: str) -> Path:
-    spec = importlib.util.spec_from_file_location("benchlib", ROOT / "bench" / "benchlib.py")
-    benchlib = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchlib)
-    try:
-        return benchlib.ensure_peer(name)
-    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"{name} cannot be installed here: {e}")
 
 
 def _peer_generate(py: Path, worker: str, folder: Path, prompt: list[int]) -> dict:
@@ -85,7 +76,7 @@ def _ours(folder: Path, prompt: list[int]):
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
 def test_onnxruntime_genai_greedy_against_ours(exports, prompt, precision, record_property):
-    py = _peer_python("ortgenai")
+    py = peer_python("ortgenai")
     theirs = _peer_generate(py, "_genai_worker.py", exports[precision], prompt)
     ours, first = _ours(exports[precision], prompt)
     fig = _compare(theirs["tokens"], ours)
@@ -103,7 +94,7 @@ def test_onnxruntime_genai_greedy_against_ours(exports, prompt, precision, recor
 def test_optimum_greedy_against_ours(exports, prompt, precision, record_property):
     """Optimum feeds a growing cache (no shared buffer: GroupQueryAttention then copies the
     past into ``present``); fp32 must give our tokens, int4 agree on a long prefix."""
-    py = _peer_python("optimum")
+    py = peer_python("optimum")
     theirs = _peer_generate(py, "_optimum_worker.py", exports[precision], prompt)
     ours, _ = _ours(exports[precision], prompt)
     fig = _compare(theirs["tokens"], ours)

@@ -1,40 +1,27 @@
 """The bench helper (bench/benchlib.py) and the docs generator (bench/report.py).
 
-Bench code is not a package: both files are loaded from their paths, and ``benchlib`` is
-registered under its own name so that ``report.py``'s ``import benchlib`` finds it.
+Bench code is not a package: both files are loaded from their paths (tests/bench_modules.py),
+and ``benchlib`` is registered under its own name (the ``benchlib`` fixture,
+tests/conftest.py) so that ``report.py``'s ``import benchlib`` finds it.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from bench_modules import load_bench
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture
-def benchlib(monkeypatch):
-    mod = _load("benchlib")
-    monkeypatch.setitem(sys.modules, "benchlib", mod)
-    return mod
 
 
 @pytest.fixture
 def report(benchlib):
-    return _load("report")
+    return load_bench("report")
 
 
 def test_record_must_have_exactly_the_five_fields(benchlib, tmp_path):

@@ -1,31 +1,21 @@
 """bench/compare_llamacpp.py's model choice and perplexity table (no model, no llama.cpp).
 
-Bench code is not a package: the files are loaded from their paths, with ``benchlib``
-registered under its own name (as tests/unit/test_benchlib.py does).
+Bench code is not a package: the files are loaded from their paths (tests/bench_modules.py),
+with ``benchlib`` registered under its own name (the ``benchlib`` fixture, tests/conftest.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from bench_modules import load_bench
 
 
 @pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.setitem(sys.modules, "benchlib", _load("benchlib"))
-    return _load("compare_llamacpp")
+def bench(benchlib):
+    return load_bench("compare_llamacpp")
 
 
 def test_unknown_model_names_the_supported_aliases(bench, capsys):

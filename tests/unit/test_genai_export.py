@@ -8,7 +8,6 @@ The onnxruntime-genai tests run that package in its side virtualenv
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
@@ -23,6 +22,7 @@ import edgeprune_exporters as exporters
 import edgeprune_runtime as runtime
 from edgeprune_exporters.genai import GENAI_GRAPH
 
+from bench_modules import peer_python
 from tiny import byte_tokenizer, rand_ids
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,13 +38,7 @@ def tok():
 @pytest.fixture(scope="module")
 def genai_python():
     """The side venv's python with onnxruntime-genai importable; skip when it cannot be built."""
-    spec = importlib.util.spec_from_file_location("benchlib", ROOT / "bench" / "benchlib.py")
-    benchlib = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchlib)
-    try:
-        return benchlib.ensure_peer("ortgenai")
-    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"onnxruntime-genai cannot be installed here: {e}")
+    return peer_python("ortgenai", "onnxruntime-genai")
 
 
 def _export(model, tok, path, **kw):
