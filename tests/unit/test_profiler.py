@@ -146,8 +146,8 @@ def test_in_process_peak_is_the_runs_own(tiny_folder):
 
 
 def test_threads_override(tiny_folder):
-    # isolated: in-process RSS counts whatever the test session holds (7.5 GB after the
-    # real-model integration tests), over this profile's 6 GiB budget
+    # the default isolated worker (in-process, the RSS would still count what the test
+    # session holds now, several GB after the real-model tests: over this 6 GiB budget)
     r = profile(tiny_folder, "raspberry-pi-5", prompt_len=8, gen_len=4, repeat=1, threads=1)
     assert r.settings["threads"] == 1 and any("threads set to 1" in n for n in r.notes)
     # asking for more threads than cores: one note, not "set to" plus "the profile runs"
