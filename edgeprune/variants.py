@@ -43,7 +43,7 @@ VARIANTS: dict[str, type] = {}
 
 #: the built-in variants' modules, imported when their name is first asked for
 BUILTIN = {"leank": "edgeprune.leank", "countdown": "edgeprune.countdown",
-           "igprune": "edgeprune.igprune"}
+           "igprune": "edgeprune.igprune", "kvcache": "edgeprune.kvcache"}
 
 #: the key naming the variant in a spec file (a spec's own fields may use ``variant``)
 NAME_KEY = "edgeprune_variant"

@@ -14,7 +14,7 @@ specs arrive as plain dicts.
 
 from __future__ import annotations
 
-from . import countdown, igprune, leank, sparse24  # noqa: F401  (register the built-in graph variants)
+from . import countdown, igprune, kvcache, leank, sparse24  # noqa: F401  (register the built-in graph variants)
 from .decoder import BuildOptions
 from .export import ExportResult, check_export_args, export_onnx, make_builder
 from .families import BUILDERS

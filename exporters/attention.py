@@ -131,17 +131,30 @@ class AttentionMixin:
                 self._rope = (g.initializer("cos_cache", cos), g.initializer("sin_cache", sin))
             tables = self._rope
         pk, pv, ok, ov = self.kv_names(i)
+        extra, attrs = self.gqa_cache_options(i)
         out = g.node("GroupQueryAttention",
-                     [q, k, v, pk, pv, "seqlens_k", "total_sequence_length", *tables],
+                     [q, k, v, pk, pv, "seqlens_k", "total_sequence_length", *tables, *extra],
                      n_out=3, name=name, domain=MS_DOMAIN,
                      outputs=[g.unique(name + "/out"), ok, ov],
                      num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=1,
                      rotary_interleaved=0, scale=self.attention_scale(),
                      local_window_size=s.sliding_window if local else None,
-                     softcap=s.attn_softcap or None)
-        g.output(ok, self.ftype, ["batch_size", s.num_kv_heads, "max_length", self.key_head_dim(i)])
-        g.output(ov, self.ftype, ["batch_size", s.num_kv_heads, "max_length", s.head_dim])
+                     softcap=s.attn_softcap or None, **attrs)
+        ct = self.cache_type(i)
+        g.output(ok, ct, ["batch_size", s.num_kv_heads, "max_length", self.key_head_dim(i)])
+        g.output(ov, ct, ["batch_size", s.num_kv_heads, "max_length", s.head_dim])
         return out[0]
+
+    def cache_type(self, i: int) -> int:
+        """ONNX element type of layer ``i``'s KV cache (the model's float type here; a
+        KV-cache variant, ``exporters.kvcache``, stores float16 or int8)."""
+        return self.ftype
+
+    def gqa_cache_options(self, i: int) -> tuple[list, dict]:
+        """``(extra inputs, extra attributes)`` of layer ``i``'s ``GroupQueryAttention``
+        after the rotary tables (none here; ``exporters.kvcache`` adds the int8 cache's
+        ``k_scale`` / ``v_scale`` inputs and quantization attributes)."""
+        return [], {}
 
     # ------------------------------------------------------- plain attention
     def _plain_tables(self, positions: str, local: bool) -> tuple[str, str]:

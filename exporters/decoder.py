@@ -220,8 +220,8 @@ class DecoderBuilder(AttentionMixin, MlpMixin, EmbeddingHeadMixin, LinearMixin):
         for i in range(s.num_layers):
             pk, pv, ok, ov = self.kv_names(i)
             length = self.past_length_dim(i, past)
-            g.input(pk, self.ftype, ["batch_size", s.num_kv_heads, length, self.key_head_dim(i)])
-            g.input(pv, self.ftype, ["batch_size", s.num_kv_heads, length, s.head_dim])
+            g.input(pk, self.cache_type(i), ["batch_size", s.num_kv_heads, length, self.key_head_dim(i)])
+            g.input(pv, self.cache_type(i), ["batch_size", s.num_kv_heads, length, s.head_dim])
         self._present_shape = pres
 
     def io_metadata(self) -> dict:

@@ -33,7 +33,7 @@ import numpy as np
 import onnxruntime as ort
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
-_ORT2NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+_ORT2NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int8)": np.int8}
 
 
 @dataclass
