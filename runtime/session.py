@@ -249,27 +249,38 @@ class Session(GenerationLoop):
                               self.context_policy)
 
     # ---------------------------------------------------------------- logits
-    def logits(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None
-               ) -> np.ndarray:
+    def logits(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None,
+               chunk: Optional[int] = None) -> np.ndarray:
         """Prefill-only logits of every position: ``float32 [B, S, vocab]``.
 
         Args:
             input_ids: ``int64 [B, S]``.
             attention_mask: ``int64 [B, S]``, 1 on real tokens; padding must be on the
                 left (as in HF). Padded positions return zeros.
+            chunk: fused graphs: feed each row in passes of this many tokens, one row at a
+                time; a later pass reads the earlier tokens from the KV cache as a decode
+                step does (a first pass reads its own keys and values unrounded, so with a
+                float16 / int8 cache, ``exporters.kvcache``, ``chunk=1`` scores exactly the
+                decode path and small chunks nearly so). ``None``: one pass.
 
         Raises:
-            GenerationError: ``S`` exceeds ``max_length`` or a row has no real token.
+            GenerationError: ``S`` exceeds ``max_length``, a row has no real token, or
+                ``chunk`` is not a positive integer.
         """
         self._check_open()
         ids, mask = self._logits_inputs(input_ids, attention_mask)
         B, S = ids.shape
         lens = mask.sum(1)
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer))
+                                  or chunk < 1):
+            raise GenerationError(f"chunk={chunk!r} must be a positive integer", "pass e.g. chunk=64, or None")
         self._acquire()
         try:
             memory.check_memory(sum(self.kv.bytes(max(S, 1), B).values()) + B * S * self.vocab_size * 4,
                                 f"the KV cache and logits of {B} row(s) x {S} tokens",
                                 "score fewer rows or shorter windows at once")
+            if chunk is not None and self.fused and chunk < S:
+                return self._chunked_logits(ids, mask, int(chunk))
             if not self.fused:
                 pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
                 cache = ConcatKVCache(self.kv, B, self.device)
@@ -292,6 +303,22 @@ class Session(GenerationLoop):
             return out
         finally:
             self._release()
+
+    def _chunked_logits(self, ids: np.ndarray, mask: np.ndarray, chunk: int) -> np.ndarray:
+        """:meth:`logits` of a fused graph row by row in passes of ``chunk`` tokens through
+        one batch-1 shared cache (left padding stays zeros)."""
+        B, S = ids.shape
+        out = np.zeros((B, S, self.vocab_size), np.float32)
+        cache = SharedKVCache(self.kv, 1, S, self.device)
+        for b in range(B):
+            row = ids[b][mask[b] == 1]
+            n = len(row)
+            for a in range(0, n, chunk):
+                e = min(n, a + chunk)
+                # a first pass (total == its length) reads its own K/V; later ones the cache
+                lg = self._run_fused(row[None, a:e], np.array([e - 1], np.int32), e, e - a, cache)
+                out[b, S - n + a:S - n + e] = lg[0]
+        return out
 
     def _logits_inputs(self, input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:
         """``(ids, mask)`` checked for :meth:`logits` (:func:`runtime.inputs.logits_inputs`)."""
