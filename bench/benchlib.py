@@ -356,7 +356,17 @@ OURS_VARIANTS = {
     "gptq-g64": "GPTQ int4 g64 asym (act-order, static groups), C4 32x512 calibration",
     # the best-w4 preset (8-bit v_proj and layers.0 down_proj) calibrated on C4 32 x 512
     "best-w4-c4": "best-w4 (GPTQ int4 g64 asym, 8-bit v_proj + layers.0 down_proj), C4 32x512 calibration",
+    # rtn-g32 with another KV cache (exporters.kvcache, issue 25): float16; int8 with static
+    # per-channel scales calibrated on C4 4 x 2,048 (seed 0)
+    "rtn-g32-kv16": "rtn-g32 with a float16 KV cache (GroupQueryAttention, exporters.kvcache)",
+    "rtn-g32-kv8": "rtn-g32 with an int8 KV cache, per-channel scales from C4 4x2048 (exporters.kvcache)",
+    # rtn-g32 with LeanK keep 0.3: the default recipe's learned mask on C4 4 x 2,048 (sink 64,
+    # window 448; ~15 min on one thread, cached under bench/.cache/leank/)
+    "rtn-g32-leank0.3": "rtn-g32 with LeanK keep 0.3 (learned mask, C4 4x2048, sink 64 / window 448)",
 }
+#: max_length of the SmolLM2 exports: room for the 4,096-token prompts of
+#: ``compare_llamacpp --prompt-len`` (the other models' exports keep 2,048)
+SMOLLM2_MAX_LENGTH = 8192
 QUICK_VARIANT = "rtn-g32"
 #: the model every bench measured first; its cached exports keep their old folder names
 SMOLLM2 = "smollm2-135m"
@@ -438,11 +448,42 @@ def build_ours(variant: str, folder: Path, model: str = SMOLLM2) -> str:
         summary = {"compress_s": round(res.seconds, 1),
                    "avg_bits_per_weight": res.summary()["avg_bits_per_weight"]}
     else:
-        kw["group_size"] = {"rtn-g32": 32, "rtn-g64": 64}[variant]
-    r = exporters.export_onnx(m, t, folder, precision="int4", max_length=2048, overwrite=True,
+        base, _, extra = variant.partition("-kv") if "-kv" in variant else variant.partition("-leank")
+        kw["group_size"] = {"rtn-g32": 32, "rtn-g64": 64}[base]
+        if extra:
+            kw["variants"] = [_cache_variant(variant, m, t)]
+            summary["cache_variant"] = variant[len(base) + 1:]
+    r = exporters.export_onnx(m, t, folder, precision="int4", overwrite=True,
+                              max_length=SMOLLM2_MAX_LENGTH if model == SMOLLM2 else 2048,
                               provenance={"bench": "benchlib.build_ours", "variant": variant,
                                           "model": model, **summary}, **kw)
     return r.summary()
+
+
+def _cache_variant(variant: str, model, tok):
+    """The graph variant of an :data:`OURS_VARIANTS` name ending ``-kv16``, ``-kv8`` or
+    ``-leank0.3``: a ``KVCacheSpec`` (int8 scales calibrated on C4 4 x 2,048, seed 0) or a
+    learned LeanK mask (C4 4 x 2,048, the default recipe; cached as JSON under
+    ``bench/.cache/leank/``)."""
+    from edgeprune.calibration import build_calibration
+
+    cal = lambda: build_calibration(tok, C4, nsamples=4, seqlen=2048, seed=0).input_ids  # noqa: E731
+    if variant.endswith("-kv16"):
+        from edgeprune.kvcache import KVCacheSpec
+        return KVCacheSpec("fp16")
+    if variant.endswith("-kv8"):
+        from edgeprune.kvcache import KVCacheSpec
+        return KVCacheSpec.calibrate(model, cal(), dtype="int8")
+    from edgeprune.leank import LeanKMask
+    from edgeprune.variants import load_spec, save_spec
+    keep = float(variant.rsplit("-leank", 1)[1])
+    path = CACHE / "leank" / f"bench_mask_learned_{keep:g}_c4_4x2048.json"
+    if path.is_file():
+        return load_spec(path, LeanKMask)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mask = LeanKMask.calibrate(model, cal(), k_keep=keep, method="learned")
+    save_spec(mask, path)
+    return mask
 
 
 # ---------------------------------------------------------------------------------------------

@@ -140,8 +140,10 @@ def worker_ours(folder: str, threads: int, prompt_len: int, gen_len: int, lookup
     s.generate(ids[:16], max_new_tokens=4, prompt_lookup_num_tokens=lookup)  # warm-up
     r = s.generate(ids, max_new_tokens=gen_len, prompt_lookup_num_tokens=lookup)
     assert len(r.token_ids[0]) == gen_len
+    kv = s.kv_cache_bytes(prompt_len + gen_len)      # the tokens held at the end (K + V)
     return {"prefill_tok_s": r.prefill_tok_s, "decode_tok_s": r.decode_tok_s, "ttft_ms": r.ttft_ms,
             "peak_rss_bytes": _vm_hwm(), "load_s": load_s, "tokens": r.token_ids[0][:8],
+            "kv_cache_bytes": kv["k"] + kv["v"],
             "draft_tokens": r.draft_tokens, "accepted_draft_tokens": r.accepted_draft_tokens}
 
 
@@ -184,7 +186,19 @@ def worker_llamacpp(gguf: str, threads: int, prompt_len: int, gen_len: int, look
     gen(ids[:16], 4)  # warm-up
     out, prefill, ttft, steps = gen(ids, gen_len)
     return {"prefill_tok_s": len(ids) / prefill, "decode_tok_s": len(steps) / sum(steps), "ttft_ms": 1000 * ttft,
-            "peak_rss_bytes": _vm_hwm(), "load_s": load_s, "tokens": out[:8]}
+            "peak_rss_bytes": _vm_hwm(), "load_s": load_s, "tokens": out[:8],
+            "kv_cache_bytes": (prompt_len + gen_len) * _llama_kv_bytes_per_token(llm.metadata)}
+
+
+def _llama_kv_bytes_per_token(meta: dict) -> int:
+    """Bytes llama.cpp's default f16 KV cache holds per token: 2 (K, V) x layers x KV heads x
+    head size x 2 bytes, from the GGUF metadata (``{arch}.block_count`` ...)."""
+    arch = meta["general.architecture"]
+    g = lambda k: int(meta[f"{arch}.{k}"])  # noqa: E731
+    heads = g("attention.head_count")
+    kdim = int(meta.get(f"{arch}.attention.key_length") or g("embedding_length") // heads)
+    vdim = int(meta.get(f"{arch}.attention.value_length") or kdim)
+    return g("block_count") * g("attention.head_count_kv") * (kdim + vdim) * 2
 
 
 def llama_lookup_kwargs(lookup: int) -> dict:
@@ -260,14 +274,22 @@ def _nll_of_windows(logits_fn, windows) -> dict:
 
 
 def worker_ppl_ours(folder: str, windows_json: str, threads: int) -> dict:
-    """WikiText-2 perplexity of our export through the runtime (teacher-forced windows)."""
+    """WikiText-2 perplexity of our export through the runtime (teacher-forced windows).
+    An export with a float16 KV cache (``exporters.kvcache``) is scored on the decode path
+    (``Session.logits(chunk=1)``: one pass would read its own keys and values unrounded);
+    an int8 cache is read quantized by the one pass already."""
     import numpy as np
 
     import edgeprune_runtime as runtime
+    from edgeprune_runtime.variants import variant_records
 
     windows = json.loads(Path(windows_json).read_text())
     s = runtime.load(folder, threads=threads, max_length=len(windows[0]) + 8)
-    return _nll_of_windows(lambda w: s.logits(np.array([w], np.int64))[0], windows)
+    kv = variant_records(s.meta).get("kvcache") or {}
+    chunk = 1 if kv.get("dtype") == "fp16" else None
+    r = _nll_of_windows(lambda w: s.logits(np.array([w], np.int64), chunk=chunk)[0], windows)
+    return {**r, "cache": kv.get("dtype") or s.meta.get("kv_layout", {}).get("dtype"),
+            "decode_path": chunk == 1}
 
 
 def worker_ppl_dense(model: str, windows_json: str, threads: int) -> dict:
@@ -632,7 +654,7 @@ PPL_BOUND = 0.95
 
 
 def quality_report(model: str, cp: str, variants, quants, ppl: dict, sizes: dict,
-                   n_windows: int) -> list:
+                   n_windows: int, seqlen: int = 512) -> list:
     """Print the perplexity table (dense / ours / llama.cpp, bits per weight of the decoder
     linears and of the head, weight file sizes, ours / Q4_0) and return its records:
     ``{cp}dense_fp32`` ``ppl`` (peer PyTorch), ``{cp}int4-V_vs_dense_fp32`` ``ppl_ratio``,
@@ -647,7 +669,7 @@ def quality_report(model: str, cp: str, variants, quants, ppl: dict, sizes: dict
     def fmt(x, f=".2f"):
         return "-" if x is None else format(x, f)
 
-    print(f"\n{model}: WikiText-2 test perplexity, {n_windows} x 512 tokens, no BOS "
+    print(f"\n{model}: WikiText-2 test perplexity, {n_windows} x {seqlen} tokens, no BOS "
           "(the same token ids everywhere)")
     hdr = f"{'impl':<34}{'ppl':>9}{'bits/w linears':>16}{'bits/w head':>13}{'weights MiB':>13}{'/ q4_0':>9}"
     print(hdr + "\n" + "-" * len(hdr))
@@ -693,7 +715,7 @@ def quality_report(model: str, cp: str, variants, quants, ppl: dict, sizes: dict
             recs.append(benchlib.error_record(f"{cp}dense_fp32", ppl["dense"]["error"], peer="PyTorch",
                                               side="ours"))
     for v in variants:
-        pref = "int4" if v == "default" else f"int4-{v}"
+        pref = _pref(v)
         if dense and pv(v):
             recs.append(benchlib.record(f"{cp}{pref}_vs_dense_fp32", "ppl_ratio", pv(v) / dense,
                                         peer="PyTorch"))
@@ -712,7 +734,7 @@ def quality_report(model: str, cp: str, variants, quants, ppl: dict, sizes: dict
             recs.append(benchlib.note_record(f"{cp}{k}", "perplexity reused from bench/.cache (same file, "
                                              "same windows)", peer=None if k == "dense" else PEER))
     for v in variants:
-        pref = "int4" if v == "default" else f"int4-{v}"
+        pref = _pref(v)
         sz = sizes.get(v) or {}
         if "error" in sz:
             recs.append(benchlib.error_record(f"{cp}{pref}", sz["error"], side="ours"))
@@ -740,6 +762,64 @@ def quality_report(model: str, cp: str, variants, quants, ppl: dict, sizes: dict
         if sz.get("head_type"):
             recs.append(benchlib.note_record(f"{cp}{q}", f"head: {sz['head_type']}", peer=PEER))
     return recs
+
+
+def cache_base(variant: str, variants) -> str | None:
+    """The export a KV-cache or LeanK variant changes (``rtn-g32`` for ``rtn-g32-kv8`` and
+    ``rtn-g32-leank0.3``), when it is measured in the same run; else ``None``."""
+    for tag in ("-kv", "-leank"):
+        if tag in variant:
+            base = variant.split(tag, 1)[0]
+            return base if base in variants else None
+    return None
+
+
+def _pref(v: str) -> str:
+    """The case-name prefix of our export ``v`` (``int4`` for the shipped default)."""
+    return "int4" if v == "default" else f"int4-{v}"
+
+
+def cache_quality_records(cp: str, variants, ppl: dict) -> list:
+    """``{cp}int4-V_vs_int4-BASE`` ``ppl_ratio`` for every cache variant measured beside
+    its base export (:func:`cache_base`; issue 25's bounds: +0.5 % for an fp16 / int8 cache,
+    +3 % for LeanK keep 0.3), printed too."""
+    recs = []
+    for v in variants:
+        b = cache_base(v, variants)
+        pv, pb = (ppl.get(v) or {}).get("ppl"), (ppl.get(b) or {}).get("ppl")
+        if b and pv and pb:
+            print(f"ours {v} / ours {b}: perplexity {pv:.3f} / {pb:.3f} = {pv / pb:.4f}")
+            recs.append(benchlib.record(f"{cp}{_pref(v)}_vs_{_pref(b)}", "ppl_ratio", pv / pb,
+                                        peer=f"ours {b}"))
+    return recs
+
+
+def plot_decode_vs_context(path: Path, series: dict, title: str) -> Path:
+    """A PNG of decode tokens/s vs prompt tokens: ``series`` ``{(label, threads): [(prompt
+    tokens, tok/s)]}``, one panel per thread count (matplotlib, Agg backend)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    threads = sorted({t for _, t in series})
+    fig, axes = plt.subplots(1, len(threads), figsize=(6 * len(threads), 4.5), squeeze=False)
+    for ax, t in zip(axes[0], threads):
+        for (label, tt), pts in sorted(series.items()):
+            if tt == t and pts:
+                xs, ys = zip(*sorted(pts))
+                ax.plot(xs, ys, marker="o", linestyle="--" if label.startswith("llama.cpp") else "-",
+                        label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens (context at the first decode step)")
+        ax.set_ylabel("decode tokens/s (median)")
+        ax.set_title(f"{title}, {t} thread{'s' if t > 1 else ''}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _median(runs, key):
@@ -777,7 +857,13 @@ def main(argv=None) -> int:
                     help="also the dense PyTorch fp32 model's perplexity on the same windows "
                          "(default: on for every model but SmolLM2, whose figure is in PEERS.md)")
     ap.add_argument("--ppl-windows", type=int, default=None,
-                    help="WikiText-2 windows of 512 for the side-by-side perplexity (40; quick 4; 0 = skip)")
+                    help="WikiText-2 windows for the side-by-side perplexity (40; quick 4; 0 = skip)")
+    ap.add_argument("--ppl-seqlen", type=int, default=512,
+                    help="tokens per perplexity window (default 512; 2048 scores what a long-context "
+                         "KV cache holds: a float16 cache on the decode path, see worker_ppl_ours)")
+    ap.add_argument("--plot", type=Path, default=None,
+                    help="write a PNG of decode tokens/s vs prompt length (each of our exports and "
+                         "each llama.cpp quantization, one panel per thread count)")
     ap.add_argument("--path-tokens", type=int, default=512,
                     help="decode-path fidelity on this many WikiText-2 tokens (the first ones; 0 = skip): "
                          "one pass vs token by token through the KV cache, both runtimes")
@@ -860,8 +946,9 @@ def main(argv=None) -> int:
         if wiki.exists() and first is not None:
             tk = Tokenizer.from_file(str(first / "tokenizer.json"))
             ids = tk.encode(wiki.read_text(), add_special_tokens=False).ids
-            wins = [ids[i * 512:(i + 1) * 512] for i in range(min(n_ppl, len(ids) // 512))]
-            wfile = CACHE / f"{'' if smol else model + '_'}wikitext_windows_{len(wins)}x512.json"
+            L = a.ppl_seqlen
+            wins = [ids[i * L:(i + 1) * L] for i in range(min(n_ppl, len(ids) // L))]
+            wfile = CACHE / f"{'' if smol else model + '_'}wikitext_windows_{len(wins)}x{L}.json"
             wfile.write_text(json.dumps(wins))
             if dense:
                 ppl["dense"] = cached_ppl("ppl_dense", model, wfile, sys.executable, max(a.threads), log)
@@ -871,7 +958,7 @@ def main(argv=None) -> int:
             for q, g in ggufs.items():
                 if py and g is not None:
                     ppl[q] = cached_ppl("ppl_llamacpp", str(g), wfile, py, max(a.threads), log)
-            log(f"WikiText-2 perplexity ({model}, %d x 512, no BOS): " % len(wins) +
+            log(f"WikiText-2 perplexity ({model}, {len(wins)} x {a.ppl_seqlen}, no BOS): " +
                 ", ".join(f"{k} {r.get('ppl', float('nan')):.2f}" if "ppl" in r else f"{k} FAILED {r.get('error', '')[:200]}"
                           for k, r in ppl.items()))
 
@@ -881,7 +968,8 @@ def main(argv=None) -> int:
     # --- what each side stores: bits per weight (decoder linears, head) and file sizes
     sizes = {v: _try(onnx_bits, d) for v, d in ours_dirs.items() if not ours_errs[v]}
     sizes.update({q: _try(gguf_bits, g) for q, g in ggufs.items() if g is not None})
-    records += quality_report(model, cp, variants, quants, ppl, sizes, len(wins))
+    records += quality_report(model, cp, variants, quants, ppl, sizes, len(wins), a.ppl_seqlen)
+    records += cache_quality_records(cp, variants, ppl)
 
     # --- runs (interleaved so that machine load drifts affect both sides alike)
     results: dict[tuple, list] = {}
@@ -924,8 +1012,11 @@ def main(argv=None) -> int:
         if not runs:
             return None
         bpt = ours_bpt.get(key.split(":", 1)[1]) if key.startswith("ours:") else peer_bpt.get(key)
-        d = {m: _median(runs, m) for m in ("decode_tok_s", "prefill_tok_s", "ttft_ms", "peak_rss_bytes")}
+        d = {m: _median(runs, m) for m in ("decode_tok_s", "prefill_tok_s", "ttft_ms", "peak_rss_bytes",
+                                           "kv_cache_bytes")}
         d["peak_rss_mib"] = d.pop("peak_rss_bytes") / 2**20
+        kvb = d.pop("kv_cache_bytes")
+        d["kv_cache_mib"] = kvb / 2**20 if kvb is not None else None
         limit = bw[t] * 1e9 / bpt if bpt else None
         d["bandwidth_limit_tok_s"] = limit
         d["bandwidth_fraction"] = d["decode_tok_s"] / limit if limit else None
@@ -940,7 +1031,7 @@ def main(argv=None) -> int:
     if settings:
         print()
         hdr = (f"{'case':<{cw}}{'impl':<22}{'decode tok/s':>13}{'prefill tok/s':>15}{'peak RSS MiB':>14}"
-               f"{'BW limit':>10}{'of limit':>10}{'ppl':>9}")
+               f"{'KV MiB':>9}{'BW limit':>10}{'of limit':>10}{'ppl':>9}")
         print(hdr)
         print("-" * len(hdr))
 
@@ -948,19 +1039,23 @@ def main(argv=None) -> int:
         r = ppl.get(k) or {}
         return r.get("ppl")
 
+    curve: dict = {}          # (impl label, threads) -> [(prompt tokens, decode tok/s)]
+
     for st in settings:
         t, P = st
         for v in variants:
             o = summary(f"ours:{v}", st)
-            pref = "int4" if v == "default" else f"int4-{v}"    # the case name says which export
+            pref = _pref(v)    # the case name says which export
             for q in quants:
                 th = summary(q, st)
                 case = f"{cp}{pref}_vs_{q}{f'_lookup{a.lookup}' if a.lookup else ''}{psuf(P)}/t{t}"
                 for name, d, k in ((f"ours {v}", o, v), (f"llama.cpp {q}", th, q)):
                     if d:
                         pv = pp(k)
+                        kvm = d.get("kv_cache_mib")
                         print(f"{case:<{cw}}{name:<22}{d['decode_tok_s']:>13.1f}{d['prefill_tok_s']:>15.1f}"
-                              f"{d['peak_rss_mib']:>14.1f}{d['bandwidth_limit_tok_s']:>10.1f}"
+                              f"{d['peak_rss_mib']:>14.1f}{'-' if kvm is None else round(kvm, 1):>9}"
+                              f"{d['bandwidth_limit_tok_s']:>10.1f}"
                               f"{100 * d['bandwidth_fraction']:>9.0f}%{'-' if pv is None else round(pv, 2):>9}")
                     else:
                         err = errors.get((f"ours:{v}", st) if name.startswith("ours") else (q, st)) or \
@@ -978,12 +1073,12 @@ def main(argv=None) -> int:
                                 benchlib.record(case, "decode_ratio_paired_min", pr[1], peer=PEER),
                                 benchlib.record(case, "decode_ratio_paired_max", pr[2], peer=PEER),
                                 benchlib.record(case, "paired_rounds", pr[3], peer=PEER)]
-                for m in ("decode_tok_s", "prefill_tok_s", "peak_rss_mib", "bandwidth_fraction"):
+                for m in ("decode_tok_s", "prefill_tok_s", "peak_rss_mib", "kv_cache_mib", "bandwidth_fraction"):
                     # with lookup, tokens/s over the one-token-per-weight-pass limit: a
                     # verification pass yields several tokens, so no longer a memory fraction
                     name = "effective_bandwidth_fraction" if m == "bandwidth_fraction" and a.lookup else m
-                    records.append(benchlib.record(case, name, o[m] if o else None, peer=PEER,
-                                                   theirs=th[m] if th else None))
+                    records.append(benchlib.record(case, name, o.get(m) if o else None, peer=PEER,
+                                                   theirs=th.get(m) if th else None))
                 if not th:
                     records.append(benchlib.error_record(
                         case, errors.get((q, st)) or peer_err or
@@ -1004,6 +1099,18 @@ def main(argv=None) -> int:
             if o:
                 records.append(benchlib.record(f"{cp}{pref}{psuf(P)}/t{t}", "bandwidth_limit_tok_s",
                                                o["bandwidth_limit_tok_s"]))
+                curve.setdefault((f"ours {v}", t), []).append((P, o["decode_tok_s"]))
+            b = cache_base(v, variants)
+            pr = paired_ratio(f"ours:{v}", f"ours:{b}", st) if b else None
+            if pr:
+                # a cache variant against the export it changes, same round
+                print(f"{'':<{cw}}{f'ours {v} / ours {b}':<22}  decode {pr[0]:.2f}x "
+                      f"(rounds {pr[1]:.2f}-{pr[2]:.2f}, n={pr[3]})")
+                vcase = f"{cp}{pref}_vs_{_pref(b)}{psuf(P)}/t{t}"
+                records += [benchlib.record(vcase, "decode_ratio_paired", pr[0], peer=f"ours {b}"),
+                            benchlib.record(vcase, "decode_ratio_paired_min", pr[1], peer=f"ours {b}"),
+                            benchlib.record(vcase, "decode_ratio_paired_max", pr[2], peer=f"ours {b}"),
+                            benchlib.record(vcase, "paired_rounds", pr[3], peer=f"ours {b}")]
         if P == a.prompt_len[0]:
             records.append(benchlib.record(f"machine/t{t}", "bandwidth_gb_s", bw[t]))
         for q in quants:
@@ -1011,9 +1118,10 @@ def main(argv=None) -> int:
             if th:
                 records.append(benchlib.record(f"{cp}{q}{psuf(P)}/t{t}", "bandwidth_limit_tok_s",
                                                peer=PEER, theirs=th["bandwidth_limit_tok_s"]))
+                curve.setdefault((f"llama.cpp {q}", t), []).append((P, th["decode_tok_s"]))
     if not settings:          # --repeat 0: the quality records only
         for v in variants:
-            pref = "int4" if v == "default" else f"int4-{v}"
+            pref = _pref(v)
             for q in quants:
                 if pp(v) or pp(q):
                     records.append(benchlib.record(f"{cp}{pref}_vs_{q}", "ppl", pp(v), peer=PEER,
@@ -1035,6 +1143,8 @@ def main(argv=None) -> int:
         print(f"\n--repeat 0: no speed runs; total {time.perf_counter() - t_start:.0f} s")
     for v in variants:
         print(f"ours {v}: {benchlib.OURS_VARIANTS.get(v, a.ours)}")
+    if a.plot and curve:
+        log(f"plot: {plot_decode_vs_context(a.plot, curve, f'{model} decode vs context')}")
     if a.json:
         benchlib.write_records(a.json, records)
     return 0

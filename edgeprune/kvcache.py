@@ -24,6 +24,7 @@ Usage::
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
@@ -131,7 +132,8 @@ class KVCacheSpec(VariantSpec):
         kmax = vmax = None
         with torch.no_grad():
             for row in ids:
-                cache = model(row[None], use_cache=True).past_key_values
+                out = model(row[None], use_cache=True)
+                cache = getattr(out, "cache", None) or out.past_key_values
                 k = torch.stack([layer.keys[0] for layer in cache.layers]).float()    # [L,KV,T,D]
                 v = torch.stack([layer.values[0] for layer in cache.layers]).float()
                 half = k.shape[-1] // 2
@@ -148,10 +150,49 @@ class KVCacheSpec(VariantSpec):
         return cls("int8", ks, vs, stats)
 
 
-def fake_quantize(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """What the int8 cache stores, read back: ``clip(round(x / scale), -127, 127) * scale``
-    (round half to even, as onnxruntime); ``x [..., D]`` with ``scale`` broadcastable."""
-    return np.clip(np.round(x / scale), -QMAX, QMAX) * scale
+    # ------------------------------------------------------------ reference
+    def rounding_cache(self):
+        """A transformers ``DynamicCache`` that stores what the exported cache stores:
+        keys (after rotary) and values rounded to float16, or to ``clip(round(x / scale),
+        -127, 127) * scale`` for int8; attention then reads the rounded tensors, the new
+        token's own key and value included (what a decode step of the graph reads)."""
+        import torch
+        from transformers import DynamicCache
+
+        spec = self
+
+        class RoundingCache(DynamicCache):
+            def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+                if spec.dtype == "fp16":
+                    k, v = key_states.half().to(key_states.dtype), value_states.half().to(value_states.dtype)
+                else:
+                    ks, vs = (torch.from_numpy(a[layer_idx])[None, :, None, :].to(key_states.dtype)
+                              for a in (spec.k_scale, spec.v_scale))
+                    k = torch.clamp(torch.round(key_states / ks), -QMAX, QMAX) * ks
+                    v = torch.clamp(torch.round(value_states / vs), -QMAX, QMAX) * vs
+                return super().update(k, v, layer_idx, *args, **kwargs)
+
+        return RoundingCache()
+
+    @contextmanager
+    def reference(self, model):
+        """Inside it, a call of ``model`` without a cache runs with :meth:`rounding_cache`:
+        its logits are the exported graph's decode-path logits (``Session.logits(chunk=1)``)."""
+        forward, own = model.forward, "forward" in vars(model)
+
+        def rounded(*args, **kwargs):
+            if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
+                kwargs.update(cache=self.rounding_cache(), use_cache=True)
+            return forward(*args, **kwargs)
+
+        model.forward = rounded
+        try:
+            yield model
+        finally:
+            if own:
+                model.forward = forward
+            else:
+                del model.forward
 
 
-__all__ = ["KVCacheSpec", "fake_quantize", "DTYPES", "QMAX"]
+__all__ = ["KVCacheSpec", "DTYPES", "QMAX"]

@@ -102,6 +102,12 @@ class KVCacheMixin(VariantMixin):
         self.approximate_logits = True       # the cache rounds keys and values
 
     # --------------------------------------------------------------- hooks
+    @property
+    def genai_loadable(self) -> bool:
+        """float16: onnxruntime-genai sizes its cache from the graph's input type; int8
+        needs the scales it does not feed (no ``genai_model.onnx`` then)."""
+        return self.kv_cfg["dtype"] == "fp16" and super().genai_loadable
+
     def cache_type(self, i: int) -> int:
         return KV_DTYPES[self.kv_cfg["dtype"]][0]
 
