@@ -104,9 +104,9 @@ class KVCacheMixin(VariantMixin):
     # --------------------------------------------------------------- hooks
     @property
     def genai_loadable(self) -> bool:
-        """float16: onnxruntime-genai sizes its cache from the graph's input type; int8
-        needs the scales it does not feed (no ``genai_model.onnx`` then)."""
-        return self.kv_cfg["dtype"] == "fp16" and super().genai_loadable
+        """No ``genai_model.onnx``: onnxruntime-genai running a float16 / int8 cache beside
+        float32 queries is not checked here (``model.onnx`` is the same either way)."""
+        return False
 
     def cache_type(self, i: int) -> int:
         return KV_DTYPES[self.kv_cfg["dtype"]][0]

@@ -254,3 +254,25 @@ def test_prompt_lookup_gives_the_plain_greedy_tokens(exports, kind):
         looked = s.generate(prompt, max_new_tokens=24, prompt_lookup_num_tokens=4)
     assert looked.token_ids[0] == plain
     assert looked.draft_tokens > 0
+
+
+# ------------------------------------------------------------------ command line
+
+def test_cli_writes_a_spec_that_export_builds(model, tmp_path, capsys):
+    """``edgeprune kvcache DIR --dtype int8`` calibrates scales on the folder's model;
+    ``edgeprune export DIR OUT --variant FILE`` records the int8 cache."""
+    from _cli import run_cli
+
+    d = tmp_path / "tiny"
+    model.save_pretrained(d)
+    byte_tokenizer().save_pretrained(d)
+    spec = tmp_path / "kv8.safetensors"
+    code, out, err = run_cli(["kvcache", d, "--dtype", "int8", "--nsamples", "2", "--seqlen", "64",
+                              "--threads", "1", "--out", spec], capsys)
+    assert code == 0, err
+    got = load_spec(spec, KVCacheSpec)
+    assert got.dtype == "int8" and got.k_scale.shape == (2, 2, 16) and got.stats["tokens"] == 128
+    code, out, err = run_cli(["export", d, tmp_path / "onnx", "--variant", spec, "--threads", "1"], capsys)
+    assert code == 0, err
+    meta = json.loads((tmp_path / "onnx" / "edgeprune.json").read_text())
+    assert meta["kv_layout"]["dtype"] == "int8" and meta["variants"]["kvcache"]["bytes_per_token"] == 128
