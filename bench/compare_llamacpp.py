@@ -273,11 +273,11 @@ def _nll_of_windows(logits_fn, windows) -> dict:
     return {"nll": tot / n, "ppl": float(np.exp(tot / n)), "tokens": n}
 
 
-def worker_ppl_ours(folder: str, windows_json: str, threads: int) -> dict:
-    """WikiText-2 perplexity of our export through the runtime (teacher-forced windows).
-    An export with a float16 KV cache (``exporters.kvcache``) is scored on the decode path
-    (``Session.logits(chunk=1)``: one pass would read its own keys and values unrounded);
-    an int8 cache is read quantized by the one pass already."""
+def worker_ppl_ours(folder: str, windows_json: str, threads: int, chunk: int = 0) -> dict:
+    """WikiText-2 perplexity of our export through the runtime (teacher-forced windows):
+    one pass, or (``chunk`` > 0) passes of ``chunk`` tokens through the KV cache
+    (``Session.logits(chunk=...)``; 1 = the decode path, which a float16 cache needs to be
+    read at all, see :func:`ppl_chunk`)."""
     import numpy as np
 
     import edgeprune_runtime as runtime
@@ -286,10 +286,24 @@ def worker_ppl_ours(folder: str, windows_json: str, threads: int) -> dict:
     windows = json.loads(Path(windows_json).read_text())
     s = runtime.load(folder, threads=threads, max_length=len(windows[0]) + 8)
     kv = variant_records(s.meta).get("kvcache") or {}
-    chunk = 1 if kv.get("dtype") == "fp16" else None
-    r = _nll_of_windows(lambda w: s.logits(np.array([w], np.int64), chunk=chunk)[0], windows)
-    return {**r, "cache": kv.get("dtype") or s.meta.get("kv_layout", {}).get("dtype"),
-            "decode_path": chunk == 1}
+    r = _nll_of_windows(lambda w: s.logits(np.array([w], np.int64), chunk=chunk or None)[0], windows)
+    return {**r, "cache": kv.get("dtype") or s.meta.get("kv_layout", {}).get("dtype"), "chunk": chunk}
+
+
+def ppl_chunk(asked: int | None, dirs: dict, log) -> int:
+    """The ``chunk`` of every perplexity of ours (0 = one pass): ``asked`` (``--ppl-chunk``),
+    else 1 when an export has a float16 KV cache (onnxruntime reads a first pass's own keys
+    unrounded, so only later passes see that cache), so that all of ours are scored alike."""
+    if asked is not None:
+        return asked
+    for d in dirs.values():
+        meta = Path(d) / "edgeprune.json"
+        if meta.is_file() and (json.loads(meta.read_text()).get("variants") or {}).get(
+                "kvcache", {}).get("dtype") == "fp16":
+            log("a float16 KV cache is measured: every export of ours is scored on the decode "
+                "path (--ppl-chunk 1)")
+            return 1
+    return 0
 
 
 def worker_ppl_dense(model: str, windows_json: str, threads: int) -> dict:
@@ -861,6 +875,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ppl-seqlen", type=int, default=512,
                     help="tokens per perplexity window (default 512; 2048 scores what a long-context "
                          "KV cache holds: a float16 cache on the decode path, see worker_ppl_ours)")
+    ap.add_argument("--ppl-chunk", type=int, default=None,
+                    help="score our exports in passes of this many tokens through the KV cache "
+                         "(1 = the decode path; 0 = one pass; default: 1 when a float16-cache "
+                         "export is measured, else 0)")
     ap.add_argument("--plot", type=Path, default=None,
                     help="write a PNG of decode tokens/s vs prompt length (each of our exports and "
                          "each llama.cpp quantization, one panel per thread count)")
@@ -952,9 +970,11 @@ def main(argv=None) -> int:
             wfile.write_text(json.dumps(wins))
             if dense:
                 ppl["dense"] = cached_ppl("ppl_dense", model, wfile, sys.executable, max(a.threads), log)
+            chunk = ppl_chunk(a.ppl_chunk, {v: d for v, d in ours_dirs.items() if not ours_errs[v]}, log)
             for v, d in ours_dirs.items():
                 if not ours_errs[v]:
-                    ppl[v] = _spawn(sys.executable, "ppl_ours", [str(d), str(wfile), max(a.threads)], 3600)
+                    ppl[v] = _spawn(sys.executable, "ppl_ours", [str(d), str(wfile), max(a.threads), chunk],
+                                    3600)
             for q, g in ggufs.items():
                 if py and g is not None:
                     ppl[q] = cached_ppl("ppl_llamacpp", str(g), wfile, py, max(a.threads), log)

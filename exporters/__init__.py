@@ -5,7 +5,8 @@ is built from the weights with ``onnx.helper`` (``exporters.decoder``); int4 wei
 packed from the quantizer's own integer codes (``exporters.int4``); graph variants are
 builder mixins registered by name (``exporters.variants``): LeanK key pruning
 (``exporters.leank``), COUNTDOWN sparse MLP (``exporters.countdown``), compact 2:4 weights
-(``exporters.sparse24``, which also verifies and records 2:4 sparsity).
+(``exporters.sparse24``, which also verifies and records 2:4 sparsity), a float16 / int8
+KV cache (``exporters.kvcache``).
 
 This package must not import ``edgeprune`` (dependencies flow edgeprune -> exporters ->
 runtime); quantized weights are duck-typed ``QuantizedWeight``-like objects and variant

@@ -72,7 +72,7 @@ def test_spec_files_json_safetensors_and_the_files_written_before(tiny_llama, tm
 
 def test_spec_file_errors(tmp_path):
     (tmp_path / "nosuch.json").write_text(json.dumps({"edgeprune_variant": "nosuch", "x": 1}))
-    with pytest.raises(ConfigError, match="variant 'nosuch' is unknown.*countdown, igprune, leank"):
+    with pytest.raises(ConfigError, match="variant 'nosuch' is unknown.*countdown, igprune, kvcache, leank"):
         load_spec(tmp_path / "nosuch.json")
     (tmp_path / "foreign.json").write_text(json.dumps({"a": 1}))
     with pytest.raises(CheckpointError, match="not an edgeprune variant spec"):
