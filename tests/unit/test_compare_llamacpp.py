@@ -67,3 +67,50 @@ def test_quality_report_ratio_bound_and_bits(bench, capsys):
         sys.modules["benchlib"].validate_record(r)
     out = capsys.readouterr().out
     assert "0.960x" in out and "4.312" in out
+
+
+def test_cache_variants_pair_with_their_base_export(bench, capsys):
+    """Issue 25: a KV-cache / LeanK export is compared with the export it changes, when that
+    one is measured too; the perplexity ratio is recorded per pair."""
+    vs = ["rtn-g32", "rtn-g32-kv16", "rtn-g32-kv8", "rtn-g32-leank0.3", "gptq-g64"]
+    assert [bench.cache_base(v, vs) for v in vs] == [None, "rtn-g32", "rtn-g32", "rtn-g32", None]
+    assert bench.cache_base("rtn-g32-kv8", ["rtn-g32-kv8"]) is None
+    ppl = {"rtn-g32": {"ppl": 20.0}, "rtn-g32-kv8": {"ppl": 20.1}, "rtn-g32-leank0.3": {"error": "x"}}
+    recs = bench.cache_quality_records("", vs, ppl)
+    assert recs == [{"case": "int4-rtn-g32-kv8_vs_int4-rtn-g32", "metric": "ppl_ratio",
+                     "ours": pytest.approx(1.005), "peer": "ours rtn-g32", "theirs": None}]
+    assert "20.100 / 20.000 = 1.0050" in capsys.readouterr().out
+    bl = sys.modules["benchlib"]
+    assert all(v in bl.OURS_VARIANTS for v in vs)
+
+
+def test_llama_kv_bytes_per_token_from_the_gguf_geometry(bench):
+    # SmolLM2-135M: 30 layers, 3 KV heads, 9 heads of 576 / 9 = 64 channels, f16
+    meta = {"general.architecture": "llama", "llama.block_count": "30",
+            "llama.attention.head_count": "9", "llama.attention.head_count_kv": "3",
+            "llama.embedding_length": "576"}
+    assert bench._llama_kv_bytes_per_token(meta) == 30 * 3 * (64 + 64) * 2 == 23040
+    meta["llama.attention.key_length"] = "128"          # a family with its own head size
+    assert bench._llama_kv_bytes_per_token(meta) == 30 * 3 * (128 + 128) * 2
+
+
+def test_ppl_chunk_scores_every_export_on_the_decode_path_beside_an_fp16_cache(bench, tmp_path):
+    import json
+
+    dirs = {}
+    for name, rec in (("a", {}), ("b", {"kvcache": {"dtype": "int8"}}), ("c", {"kvcache": {"dtype": "fp16"}})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "edgeprune.json").write_text(json.dumps({"variants": rec}))
+        dirs[name] = tmp_path / name
+    logs = []
+    assert bench.ppl_chunk(None, {k: dirs[k] for k in "ab"}, logs.append) == 0
+    assert bench.ppl_chunk(None, dirs, logs.append) == 1 and "decode path" in logs[0]
+    assert bench.ppl_chunk(0, dirs, logs.append) == 0 and bench.ppl_chunk(8, dirs, logs.append) == 8
+
+
+def test_plot_writes_a_png_per_thread_panel(bench, tmp_path):
+    series = {("ours rtn-g32", 1): [(128, 100.0), (2048, 80.0)],
+              ("llama.cpp q4_0", 1): [(128, 95.0), (2048, 85.0)],
+              ("ours rtn-g32", 2): [(128, 150.0)]}
+    p = bench.plot_decode_vs_context(tmp_path / "d" / "plot.png", series, "smollm2")
+    assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
