@@ -82,7 +82,8 @@ class DecoderBuilder(AttentionMixin, MlpMixin, EmbeddingHeadMixin, LinearMixin):
 
     * graph: ``build_inputs()``, ``key_head_dim(i)``, ``build_layer(i, layer, h,
       residual)`` (one block), ``build_attention(i, layer, h)``, ``apply_qk_norm(i, q, k,
-      name)``, ``build_mlp(i, layer, h)``, ``mlp_activation(gate, name)``,
+      name)``, ``cache_type(i)`` / ``gqa_cache_options(i)`` (the KV cache's element type and
+      ``GroupQueryAttention``'s extra inputs and attributes for it, ``exporters.kvcache``), ``build_mlp(i, layer, h)``, ``mlp_activation(gate, name)``,
       ``build_embedding()``, ``build_lm_head(h)`` (returns the logits tensor before it
       is named the output), ``build_extra_outputs()`` (outputs after ``logits``),
       ``norm_weight(name)`` (a norm's stored weight), ``float_matmul(x, W, name,
