@@ -816,6 +816,7 @@ def plot_decode_vs_context(path: Path, series: dict, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     threads = sorted({t for _, t in series})
+    ticks = sorted({x for pts in series.values() for x, _ in pts})
     fig, axes = plt.subplots(1, len(threads), figsize=(6 * len(threads), 4.5), squeeze=False)
     for ax, t in zip(axes[0], threads):
         for (label, tt), pts in sorted(series.items()):
@@ -824,6 +825,7 @@ def plot_decode_vs_context(path: Path, series: dict, title: str) -> Path:
                 ax.plot(xs, ys, marker="o", linestyle="--" if label.startswith("llama.cpp") else "-",
                         label=label)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(x) for x in ticks])
         ax.set_xlabel("prompt tokens (context at the first decode step)")
         ax.set_ylabel("decode tokens/s (median)")
         ax.set_title(f"{title}, {t} thread{'s' if t > 1 else ''}")
@@ -1047,7 +1049,9 @@ def main(argv=None) -> int:
         return d
 
     # --- table and records
-    cw = 26 + len(cp)                         # the case column (a model prefix widens it)
+    # the case column: a model prefix, a long export name or /pN widens it
+    cw = max([26 + len(cp)] + [len(f"{cp}{_pref(v)}_vs_{q}_lookup{a.lookup}/p{P}/t{t}") + 2
+                                for v in variants for q in quants for t, P in settings])
     if settings:
         print()
         hdr = (f"{'case':<{cw}}{'impl':<22}{'decode tok/s':>13}{'prefill tok/s':>15}{'peak RSS MiB':>14}"
