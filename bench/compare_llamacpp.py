@@ -39,7 +39,7 @@ FILE.png`` draws decode tokens/s vs ``--prompt-len``, ours and llama.cpp's, per 
 
     python bench/compare_llamacpp.py --variants rtn-g32,rtn-g32-kv16,rtn-g32-kv8,rtn-g32-leank0.3 \
         --quants q4_0 --prompt-len 128 512 1024 2048 4096 --gen-len 32 --repeat 4 --ppl-windows 0 \
-        --path-tokens 0 --plot bench/results/decode_vs_context.png --json bench/results/compare_llamacpp_longctx.json
+        --path-tokens 0 --plot docs/decode_vs_context.png --json bench/results/compare_llamacpp_longctx.json
 
 Other model families (``--model``, issue 22): ``qwen2.5-coder-0.5b`` (qwen2) and
 ``gemma3-270m`` (gemma3_text), both shipped as GGUF Q4_K_M. Ours: ``rtn-g64`` (data-free
