@@ -300,7 +300,8 @@ def worker_ppl_ours(folder: str, windows_json: str, threads: int, chunk: int = 0
     windows = json.loads(Path(windows_json).read_text())
     s = runtime.load(folder, threads=threads, max_length=len(windows[0]) + 8)
     kv = variant_records(s.meta).get("kvcache") or {}
-    r = _nll_of_windows(lambda w: s.logits(np.array([w], np.int64), chunk=chunk or None)[0], windows)
+    kw = {"chunk": chunk} if chunk else {}            # a variant's logits() may not take it
+    r = _nll_of_windows(lambda w: s.logits(np.array([w], np.int64), **kw)[0], windows)
     return {**r, "cache": kv.get("dtype") or s.meta.get("kv_layout", {}).get("dtype"), "chunk": chunk}
 
 
