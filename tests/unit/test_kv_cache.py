@@ -161,6 +161,18 @@ def test_export_refuses_what_has_no_shared_buffer(model, tmp_path, kw, match):
     assert not (tmp_path / "x").exists()
 
 
+def test_export_refuses_a_leank_graph(model, tmp_path):
+    """LeanK's caches are not GroupQueryAttention's shared buffer: the two do not combine."""
+    from edgeprune.leank import LeanKMask
+    from edgeprune_exporters import export_onnx
+
+    mask = LeanKMask.full(2, 2, 16)
+    mask.sink, mask.window = 4, 8
+    with pytest.raises(ExportError, match="not LeanK"):
+        export_onnx(model, byte_tokenizer(), tmp_path / "x", variants=[mask, KVCacheSpec("fp16")],
+                    validate=False, max_length=64)
+
+
 def test_export_refuses_int8_without_scales_of_the_model(model, tmp_path):
     from edgeprune_exporters import export_onnx
 
