@@ -257,6 +257,22 @@ def test_sliding_window_policy_keeps_generating(exports, kind):
 
 
 @pytest.mark.parametrize("kind", ["fp32", "fp16", "int8"])
+def test_prefix_reuse_keeps_the_cached_rows(exports, kind):
+    """A second turn prefills only its new tokens over the kept rows; with a float32 or
+    int8 cache (read the same way by every pass) it gives the recomputed tokens."""
+    ids = rand_ids(40, seed=3)[0].tolist()
+    with _session(exports, kind) as on, _session(exports, kind) as off:
+        on.reuse_prefix = True
+        on.eos_token_ids = off.eos_token_ids = []
+        first = on.generate(ids, max_new_tokens=24).token_ids[0]
+        turn = ids + first + rand_ids(5, seed=4)[0].tolist()
+        a, b = on.generate(turn, max_new_tokens=12), off.generate(turn, max_new_tokens=12)
+    assert a.cached_tokens == 40 + 23 and b.cached_tokens == 0
+    if kind != "fp16":           # fp16: a first pass reads its prompt's keys unrounded
+        assert a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("kind", ["fp32", "fp16", "int8"])
 def test_prompt_lookup_gives_the_plain_greedy_tokens(exports, kind):
     text = rand_ids(12, seed=9)[0].tolist()
     prompt = text * 4                      # repetitive: drafts are found and confirmed
