@@ -356,17 +356,19 @@ OURS_VARIANTS = {
     "gptq-g64": "GPTQ int4 g64 asym (act-order, static groups), C4 32x512 calibration",
     # the best-w4 preset (8-bit v_proj and layers.0 down_proj) calibrated on C4 32 x 512
     "best-w4-c4": "best-w4 (GPTQ int4 g64 asym, 8-bit v_proj + layers.0 down_proj), C4 32x512 calibration",
-    # rtn-g32 with another KV cache (exporters.kvcache, issue 25): float16; int8 with static
-    # per-channel scales calibrated on C4 4 x 2,048 (seed 0)
-    "rtn-g32-kv16": "rtn-g32 with a float16 KV cache (GroupQueryAttention, exporters.kvcache)",
-    "rtn-g32-kv8": "rtn-g32 with an int8 KV cache, per-channel scales from C4 4x2048 (exporters.kvcache)",
-    # rtn-g32 with LeanK keep 0.3: the default recipe's learned mask on C4 4 x 2,048 (sink 64,
+    # long contexts (issue 25): "-8k" exports have max_length 8,192 (room for 4,096-token
+    # prompts; the others keep 2,048, so the benches sizing buffers from it are unchanged)
+    "rtn-g32-8k": "rtn-g32 exported with max_length 8192 (the long-context base)",
+    # ... with another KV cache (exporters.kvcache): float16; int8 with static per-channel
+    # scales calibrated on C4 4 x 2,048 (seed 0)
+    "rtn-g32-8k-kv16": "rtn-g32-8k with a float16 KV cache (GroupQueryAttention, exporters.kvcache)",
+    "rtn-g32-8k-kv8": "rtn-g32-8k with an int8 KV cache, per-channel scales from C4 4x2048 (exporters.kvcache)",
+    # ... with LeanK keep 0.3: the default recipe's learned mask on C4 4 x 2,048 (sink 64,
     # window 448; ~15 min on one thread, cached under bench/.cache/leank/)
-    "rtn-g32-leank0.3": "rtn-g32 with LeanK keep 0.3 (learned mask, C4 4x2048, sink 64 / window 448)",
+    "rtn-g32-8k-leank0.3": "rtn-g32-8k with LeanK keep 0.3 (learned mask, C4 4x2048, sink 64 / window 448)",
 }
-#: max_length of the SmolLM2 exports: room for the 4,096-token prompts of
-#: ``compare_llamacpp --prompt-len`` (the other models' exports keep 2,048)
-SMOLLM2_MAX_LENGTH = 8192
+#: max_length of the "-8k" exports (the others: 2,048)
+LONG_MAX_LENGTH = 8192
 QUICK_VARIANT = "rtn-g32"
 #: the model every bench measured first; its cached exports keep their old folder names
 SMOLLM2 = "smollm2-135m"
@@ -449,12 +451,13 @@ def build_ours(variant: str, folder: Path, model: str = SMOLLM2) -> str:
                    "avg_bits_per_weight": res.summary()["avg_bits_per_weight"]}
     else:
         base, _, extra = variant.partition("-kv") if "-kv" in variant else variant.partition("-leank")
-        kw["group_size"] = {"rtn-g32": 32, "rtn-g64": 64}[base]
+        kw["group_size"] = {"rtn-g32": 32, "rtn-g64": 64}[base.removesuffix("-8k")]
         if extra:
             kw["variants"] = [_cache_variant(variant, m, t)]
             summary["cache_variant"] = variant[len(base) + 1:]
+    long = variant.split("-kv")[0].split("-leank")[0].endswith("-8k")
     r = exporters.export_onnx(m, t, folder, precision="int4", overwrite=True,
-                              max_length=SMOLLM2_MAX_LENGTH if model == SMOLLM2 else 2048,
+                              max_length=LONG_MAX_LENGTH if long else 2048,
                               provenance={"bench": "benchlib.build_ours", "variant": variant,
                                           "model": model, **summary}, **kw)
     return r.summary()
@@ -462,7 +465,7 @@ def build_ours(variant: str, folder: Path, model: str = SMOLLM2) -> str:
 
 def _cache_variant(variant: str, model, tok):
     """The graph variant of an :data:`OURS_VARIANTS` name ending ``-kv16``, ``-kv8`` or
-    ``-leank0.3``: a ``KVCacheSpec`` (int8 scales calibrated on C4 4 x 2,048, seed 0) or a
+    ``-leank0.3`` (``rtn-g32-8k-kv8`` ...): a ``KVCacheSpec`` (int8 scales calibrated on C4 4 x 2,048, seed 0) or a
     learned LeanK mask (C4 4 x 2,048, the default recipe; cached as JSON under
     ``bench/.cache/leank/``)."""
     from edgeprune.calibration import build_calibration

@@ -27,17 +27,18 @@ that many tokens): a decode step reads the whole KV cache besides the weights, s
 prompts show how each runtime's attention scales with the context (cases
 ``int4_vs_q4_0/p1024/t1`` ...; the bandwidth limit stays the weights-only one).
 
-Long contexts (issue 25, ``docs/kv-cache.md``): the exports ``rtn-g32-kv16`` / ``rtn-g32-kv8``
-(``rtn-g32`` with a float16 / int8 KV cache) and ``rtn-g32-leank0.3`` (LeanK keep 0.3) are
-cases like the others, and each is also paired with ``rtn-g32`` when that runs too
-(``int4-rtn-g32-kv8_vs_int4-rtn-g32/p2048/t1`` ``decode_ratio_paired``;
-``int4-rtn-g32-kv8_vs_int4-rtn-g32`` ``ppl_ratio``). Every case records ``kv_cache_mib``
+Long contexts (issue 25, ``docs/kv-cache.md``): the exports ``rtn-g32-8k-kv16`` / ``rtn-g32-8k-kv8``
+(``rtn-g32-8k``, i.e. ``rtn-g32`` exported with max_length 8,192, with a float16 / int8 KV
+cache) and ``rtn-g32-8k-leank0.3`` (LeanK keep 0.3) are cases like the others, and each is
+also paired with ``rtn-g32-8k`` when that runs too
+(``int4-rtn-g32-8k-kv8_vs_int4-rtn-g32-8k/p2048/t1`` ``decode_ratio_paired``;
+``int4-rtn-g32-8k-kv8_vs_int4-rtn-g32-8k`` ``ppl_ratio``). Every case records ``kv_cache_mib``
 (K + V of the prompt and generated tokens; llama.cpp's f16 cache from its GGUF geometry).
 ``--ppl-seqlen 2048`` scores 2,048-token windows; ``--ppl-chunk`` (default: the decode path
 when a float16-cache export is measured) feeds our exports through their cache; ``--plot
 FILE.png`` draws decode tokens/s vs ``--prompt-len``, ours and llama.cpp's, per thread count::
 
-    python bench/compare_llamacpp.py --variants rtn-g32,rtn-g32-kv16,rtn-g32-kv8,rtn-g32-leank0.3 \
+    python bench/compare_llamacpp.py --variants rtn-g32-8k,rtn-g32-8k-kv16,rtn-g32-8k-kv8,rtn-g32-8k-leank0.3 \
         --quants q4_0 --prompt-len 128 512 1024 2048 4096 --gen-len 32 --repeat 4 --ppl-windows 0 \
         --path-tokens 0 --plot docs/decode_vs_context.png --json bench/results/compare_llamacpp_longctx.json
 
@@ -794,8 +795,8 @@ def quality_report(model: str, cp: str, variants, quants, ppl: dict, sizes: dict
 
 
 def cache_base(variant: str, variants) -> str | None:
-    """The export a KV-cache or LeanK variant changes (``rtn-g32`` for ``rtn-g32-kv8`` and
-    ``rtn-g32-leank0.3``), when it is measured in the same run; else ``None``."""
+    """The export a KV-cache or LeanK variant changes (``rtn-g32-8k`` for ``rtn-g32-8k-kv8``
+    and ``rtn-g32-8k-leank0.3``), when it is measured in the same run; else ``None``."""
     for tag in ("-kv", "-leank"):
         if tag in variant:
             base = variant.split(tag, 1)[0]

@@ -72,16 +72,17 @@ def test_quality_report_ratio_bound_and_bits(bench, capsys):
 def test_cache_variants_pair_with_their_base_export(bench, capsys):
     """Issue 25: a KV-cache / LeanK export is compared with the export it changes, when that
     one is measured too; the perplexity ratio is recorded per pair."""
-    vs = ["rtn-g32", "rtn-g32-kv16", "rtn-g32-kv8", "rtn-g32-leank0.3", "gptq-g64"]
-    assert [bench.cache_base(v, vs) for v in vs] == [None, "rtn-g32", "rtn-g32", "rtn-g32", None]
-    assert bench.cache_base("rtn-g32-kv8", ["rtn-g32-kv8"]) is None
-    ppl = {"rtn-g32": {"ppl": 20.0}, "rtn-g32-kv8": {"ppl": 20.1}, "rtn-g32-leank0.3": {"error": "x"}}
+    vs = ["rtn-g32-8k", "rtn-g32-8k-kv16", "rtn-g32-8k-kv8", "rtn-g32-8k-leank0.3", "gptq-g64"]
+    assert [bench.cache_base(v, vs) for v in vs] == [None, "rtn-g32-8k", "rtn-g32-8k", "rtn-g32-8k", None]
+    assert bench.cache_base("rtn-g32-8k-kv8", ["rtn-g32-8k-kv8"]) is None
+    ppl = {"rtn-g32-8k": {"ppl": 20.0}, "rtn-g32-8k-kv8": {"ppl": 20.1}, "rtn-g32-8k-leank0.3": {"error": "x"}}
     recs = bench.cache_quality_records("", vs, ppl)
-    assert recs == [{"case": "int4-rtn-g32-kv8_vs_int4-rtn-g32", "metric": "ppl_ratio",
-                     "ours": pytest.approx(1.005), "peer": "ours rtn-g32", "theirs": None}]
+    assert recs == [{"case": "int4-rtn-g32-8k-kv8_vs_int4-rtn-g32-8k", "metric": "ppl_ratio",
+                     "ours": pytest.approx(1.005), "peer": "ours rtn-g32-8k", "theirs": None}]
     assert "20.100 / 20.000 = 1.0050" in capsys.readouterr().out
     bl = sys.modules["benchlib"]
     assert all(v in bl.OURS_VARIANTS for v in vs)
+    assert bl.ours_folder("rtn-g32-8k-kv8") == bl.CACHE / "smollm2-int4-rtn-g32-8k-kv8"
 
 
 def test_llama_kv_bytes_per_token_from_the_gguf_geometry(bench):
