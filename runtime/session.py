@@ -259,9 +259,10 @@ class Session(GenerationLoop):
                 left (as in HF). Padded positions return zeros.
             chunk: fused graphs: feed each row in passes of this many tokens, one row at a
                 time; a later pass reads the earlier tokens from the KV cache as a decode
-                step does (a first pass reads its own keys and values unrounded, so with a
-                float16 / int8 cache, ``exporters.kvcache``, ``chunk=1`` scores exactly the
-                decode path and small chunks nearly so). ``None``: one pass.
+                step does. ``chunk=1`` scores exactly the decode path (onnxruntime's first
+                pass over a float16 cache, ``exporters.kvcache``, reads its own keys and
+                values unrounded; an int8 cache is read quantized by every pass). ``None``:
+                one pass.
 
         Raises:
             GenerationError: ``S`` exceeds ``max_length``, a row has no real token, or
