@@ -235,6 +235,9 @@ def main(argv=None):
     ap.add_argument("--models", default="smollm2-135m", help="comma-separated aliases")
     ap.add_argument("--ratios", default=None, help="skip ratios (0.125,0.25,0.375)")
     ap.add_argument("--ks", default="2,3,4")
+    ap.add_argument("--no-refine", action="store_true",
+                    help="the paper's independent per-cluster masks (default: refined from the single "
+                         "L0 mask, the lowest-KL candidate kept per cluster; calibrate_all(refine=))")
     ap.add_argument("--steps", type=int, default=None, help="Hard-Concrete steps per mask (60)")
     ap.add_argument("--nsamples", type=int, default=None, help="calibration windows per source (8)")
     ap.add_argument("--seqlen", type=int, default=None, help="calibration window (256)")
@@ -301,7 +304,8 @@ def main(argv=None):
             case = f"{alias}/skip{ratio:g}"
             specs = saved_specs(a.specs, alias, ratio) if a.skip_quality else None
             if specs is None:
-                specs = calibrate_all(model, calib, ratio, ks=ks, steps=steps, progress=True)
+                specs = calibrate_all(model, calib, ratio, ks=ks, steps=steps, refine=not a.no_refine,
+                                      progress=True)
                 save_specs(specs, a.specs, alias, ratio)
                 rec(records, f"{case}/ig", "calibration_s", time.perf_counter() - t)
             ig = specs["ig"]
