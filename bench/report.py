@@ -9,9 +9,9 @@ own time, said so, when it is not committed as it is).
 * ``README.md``, between ``<!-- results:start -->`` and ``<!-- results:end -->``: for each
   peer tool, the records of its main bench (:data:`MAIN_BENCH`): one row per metric, the
   first case of the file that has both figures.
-* each page of :data:`DOC_TABLES`, between ``<!-- results:<stem>:start -->`` and
-  ``<!-- results:<stem>:end -->``: one results file pivoted, a row per case and a column
-  per chosen metric (:func:`render_pivot`).
+* the page of each results file of :data:`DOC_TABLES`, between
+  ``<!-- results:<stem>:start -->`` and ``<!-- results:<stem>:end -->``: the file pivoted,
+  a row per case and a column per chosen metric (:func:`render_pivot`).
 
 Usage::
 
@@ -36,10 +36,13 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 # the bench whose results file (bench/results/<name>.json) speaks for each peer in the README
 MAIN_BENCH = {"llama.cpp": "compare_llamacpp", "onnxruntime-genai": "compare_runtimes",
               "llm-compressor": "compare_methods"}
-# pages that show one results file as a case x metric table: page -> (results stem, metrics)
+# results files shown as a case x metric table on a page: results stem -> (page, metrics)
+_IG_METRICS = ("wikitext2_ppl", "ppl_lang_mean", "acc_task_mean", "kl_nats", "ppl_eng", "ppl_deu",
+               "ppl_fra", "ppl_spa", "ppl_arb", "ppl_rus", "ppl_zho-CN", "acc_piqa", "acc_arc_easy",
+               "acc_hellaswag", "acc_boolq", "k")
 DOC_TABLES = {
-    "docs/igpruning.md": ("igpruning", ("wikitext2_ppl", "ppl_lang_mean", "acc_task_mean", "kl_nats",
-                                        "acc_piqa", "acc_arc_easy", "acc_hellaswag", "acc_boolq", "k")),
+    "igpruning": ("docs/igpruning.md", _IG_METRICS),
+    "igpruning_quick_norefine": ("docs/igpruning.md", _IG_METRICS),
 }
 NO_RESULTS = ("No results are committed yet: run the benches with `--json bench/results/<script>.json` "
               "(e.g. `make bench-quick`), then `make bench-docs`.")
@@ -197,7 +200,7 @@ def render_pivot(name: str, date: str, records: Sequence[dict], metrics: Sequenc
 
 def markers(stem: Optional[str] = None) -> tuple[str, str]:
     """The start / end lines around a generated block: :data:`START`, :data:`END` for the
-    README's table, ``<!-- results:<stem>:start -->`` ... for a page of :data:`DOC_TABLES`."""
+    README's table, ``<!-- results:<stem>:start -->`` ... for a results file of :data:`DOC_TABLES`."""
     return (START, END) if stem is None else (f"<!-- results:{stem}:start -->", f"<!-- results:{stem}:end -->")
 
 
@@ -221,11 +224,11 @@ def render_pages(files: Sequence[tuple[str, str, list]]) -> dict:
     pages = {DOC: render_benchmarks(files),
              README: fill_block(README.read_text(encoding="utf-8"), render_summary(files))}
     by_stem = {Path(n).stem: (n, d, r) for n, d, r in files}
-    for page, (stem, metrics) in DOC_TABLES.items():
+    for stem, (page, metrics) in DOC_TABLES.items():
         path = benchlib.ROOT / page
         if stem in by_stem and path.is_file():
-            pages[path] = fill_block(path.read_text(encoding="utf-8"),
-                                     render_pivot(*by_stem[stem], metrics), stem)
+            text = pages[path] if path in pages else path.read_text(encoding="utf-8")
+            pages[path] = fill_block(text, render_pivot(*by_stem[stem], metrics), stem)
     return pages
 
 

@@ -146,7 +146,7 @@ def test_report_pivots_a_results_file_into_a_page_block(report):
     start, end = report.markers("igpruning")
     page = f"a\n{start}\nold\n{end}\nb\n"
     assert report.fill_block(page, "| t |", "igpruning") == f"a\n{start}\n| t |\n{end}\nb\n"
-    for page, (stem, _) in report.DOC_TABLES.items():       # every page has its markers
+    for stem, (page, _) in report.DOC_TABLES.items():       # every page has its markers
         assert report.fill_block((BENCH.parent / page).read_text(), "x", stem)
 
 
