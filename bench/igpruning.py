@@ -44,6 +44,7 @@ task, 24 decode tokens once, fp32 only.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import statistics
 import time
 from pathlib import Path
@@ -175,8 +176,10 @@ def speed(records, case_prefix, model, tok, specs, a, workdir: Path, precision: 
     item = 4.0 if precision == "fp32" else 0.5 + 4.5 / 32     # int4: codes + scale/zero per block of 32
     total, subs = step_weight_bytes(model, item)
     folders = {}
+    # the IG export is named by its spec (masks and centroids): a re-calibrated spec gets a new one
+    tag = hashlib.sha256(repr(ig.masks).encode() + ig.centroids.tobytes()).hexdigest()[:10]
     for name, variants in (("dense", None), ("ig", [ig])):
-        out = workdir / f"{name}-{precision}"
+        out = workdir / (f"{name}-{precision}" if variants is None else f"{name}-{tag}-{precision}")
         if not out.exists():
             log(f"export {name} {precision}")
             export_onnx(model, tok, out, precision=precision, graph="plain", variants=variants,
