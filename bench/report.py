@@ -43,6 +43,8 @@ _IG_METRICS = ("wikitext2_ppl", "ppl_lang_mean", "acc_task_mean", "kl_nats", "pp
 DOC_TABLES = {
     "igpruning": ("docs/igpruning.md", _IG_METRICS),
     "igpruning_quick_norefine": ("docs/igpruning.md", _IG_METRICS),
+    "igpruning_speed": ("docs/igpruning.md", ("decode_tok_s", "decode_speedup_vs_dense", "ideal_speedup",
+                                              "skipped_weight_fraction", "router_ms", "ttft_ms", "kv_bytes")),
 }
 NO_RESULTS = ("No results are committed yet: run the benches with `--json bench/results/<script>.json` "
               "(e.g. `make bench-quick`), then `make bench-docs`.")
