@@ -44,6 +44,7 @@ task, 24 decode tokens once, fp32 only.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import statistics
 import time
 from pathlib import Path
@@ -88,6 +89,33 @@ def calibration_windows(tok, nsamples: int, seqlen: int, seed: int = 0) -> tuple
         wins += [ids[s:s + seqlen] for s in sorted(starts)]
         src += [name] * nsamples
     return torch.tensor(wins, dtype=torch.long), src
+
+
+def spec_path(folder: Path, alias: str, ratio: float, method: str) -> Path:
+    return Path(folder) / f"{alias}-skip{ratio:g}-{method}.safetensors"
+
+
+def save_specs(specs: dict, folder: Path, alias: str, ratio: float) -> None:
+    """Write each ``{method: IgPruneSpec}`` to :func:`spec_path` (what ``--skip-quality``
+    reads, so the speed is measured on the specs whose quality was measured)."""
+    from edgeprune.variants import save_spec
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for m, spec in specs.items():
+        save_spec(spec, spec_path(folder, alias, ratio, m))
+
+
+def saved_specs(folder: Path, alias: str, ratio: float):
+    """``{method: IgPruneSpec}`` from :func:`save_specs`, or None when one is missing."""
+    from edgeprune.igprune import METHODS, IgPruneSpec
+    from edgeprune.variants import load_spec
+
+    paths = {m: spec_path(folder, alias, ratio, m) for m in METHODS}
+    if not all(p.is_file() for p in paths.values()):
+        log(f"{alias} skip {ratio:g}: no saved specs in {folder}, calibrating")
+        return None
+    log(f"{alias} skip {ratio:g}: specs from {folder}")
+    return {m: load_spec(p, IgPruneSpec) for m, p in paths.items()}
 
 
 # ------------------------------------------------------------------------------ quality
@@ -148,8 +176,10 @@ def speed(records, case_prefix, model, tok, specs, a, workdir: Path, precision: 
     item = 4.0 if precision == "fp32" else 0.5 + 4.5 / 32     # int4: codes + scale/zero per block of 32
     total, subs = step_weight_bytes(model, item)
     folders = {}
+    # the IG export is named by its spec (masks and centroids): a re-calibrated spec gets a new one
+    tag = hashlib.sha256(repr(ig.masks).encode() + ig.centroids.tobytes()).hexdigest()[:10]
     for name, variants in (("dense", None), ("ig", [ig])):
-        out = workdir / f"{name}-{precision}"
+        out = workdir / (f"{name}-{precision}" if variants is None else f"{name}-{tag}-{precision}")
         if not out.exists():
             log(f"export {name} {precision}")
             export_onnx(model, tok, out, precision=precision, graph="plain", variants=variants,
@@ -208,6 +238,9 @@ def main(argv=None):
     ap.add_argument("--models", default="smollm2-135m", help="comma-separated aliases")
     ap.add_argument("--ratios", default=None, help="skip ratios (0.125,0.25,0.375)")
     ap.add_argument("--ks", default="2,3,4")
+    ap.add_argument("--no-refine", action="store_true",
+                    help="the paper's independent per-cluster masks (default: refined from the single "
+                         "L0 mask, the lowest-KL candidate kept per cluster; calibrate_all(refine=))")
     ap.add_argument("--steps", type=int, default=None, help="Hard-Concrete steps per mask (60)")
     ap.add_argument("--nsamples", type=int, default=None, help="calibration windows per source (8)")
     ap.add_argument("--seqlen", type=int, default=None, help="calibration window (256)")
@@ -224,6 +257,14 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=None, help="decode tokens (64)")
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-quality", action="store_true",
+                    help="speed only, with the specs a quality run saved in --specs (calibrated "
+                         "afresh when none are there)")
+    ap.add_argument("--specs", type=Path, default=benchlib.CACHE / "igpruning" / "specs",
+                    help="folder of the calibrated specs (<alias>-skip<ratio>-<method>.safetensors): "
+                         "every calibration writes them, --skip-quality reads them")
+    ap.add_argument("--machine", default="a shared 2-core host under load (timings not valid)",
+                    help="what the timings were measured on, noted in the records")
     ap.add_argument("--workdir", type=Path, default=benchlib.CACHE / "igpruning")
     a = ap.parse_args(argv)
     q = a.quick
@@ -257,16 +298,21 @@ def main(argv=None):
         calib, src = calibration_windows(tok, nsamples, seqlen)
         wiki, _ = eval_windows(tok, WIKI, seqlen=eseq, nwindows=nwin)
         log(f"{alias}: {len(calib)} calibration windows, {len(wiki)} WikiText-2 windows")
-        dense = quality(model, tok, None, wiki, langs, None, a, limit)
-        quality_records(records, f"{alias}/dense", dense)
-        flush()
+        if not a.skip_quality:
+            dense = quality(model, tok, None, wiki, langs, None, a, limit)
+            quality_records(records, f"{alias}/dense", dense)
+            flush()
         for ratio in ratios:
             t = time.perf_counter()
-            specs = calibrate_all(model, calib, ratio, ks=ks, steps=steps, progress=True)
-            ig = specs["ig"]
             case = f"{alias}/skip{ratio:g}"
+            specs = saved_specs(a.specs, alias, ratio) if a.skip_quality else None
+            if specs is None:
+                specs = calibrate_all(model, calib, ratio, ks=ks, steps=steps, refine=not a.no_refine,
+                                      progress=True)
+                save_specs(specs, a.specs, alias, ratio)
+                rec(records, f"{case}/ig", "calibration_s", time.perf_counter() - t)
+            ig = specs["ig"]
             rec(records, f"{case}/ig", "k", ig.settings["k"])
-            rec(records, f"{case}/ig", "calibration_s", time.perf_counter() - t)
             routes = ig.route(model, calib).tolist()
             by_src = {s: sorted({r for r, s2 in zip(routes, src) if s2 == s}) for s in dict.fromkeys(src)}
             records.append(benchlib.note_record(f"{case}/ig", f"K sweep {ig.settings['k_sweep']}; "
@@ -274,6 +320,8 @@ def main(argv=None):
             for m in ("angular", "l0"):
                 records.append(benchlib.note_record(f"{case}/{m}", f"mask {specs[m].masks[0]}"))
             for m, spec in specs.items():
+                if a.skip_quality:
+                    break
                 log(f"{case}/{m}: quality")
                 qm = quality(model, tok, spec, wiki, langs, dense, a, limit)
                 quality_records(records, f"{case}/{m}", qm)
@@ -286,7 +334,7 @@ def main(argv=None):
                 for prec in ("fp32", "int4") if a.int4 else ("fp32",):
                     speed(records, case, model, tok, specs, a, a.workdir / alias / f"{ratio:g}", prec)
                     flush()
-        records.append(benchlib.note_record(alias, f"timings measured under load ({a.threads} thread(s)); "
+        records.append(benchlib.note_record(alias, f"machine: {a.machine}; {a.threads} thread(s); "
                                             f"model total {time.perf_counter() - t0:.0f} s"))
         flush()
     for r in records:

@@ -28,7 +28,7 @@ from . import config as C
 from .gates import gated, masked
 from .importance import angular_mask, block_influence
 from .router import fit_standardizer, kmeans, nearest, prompt_embeddings, standardize, sweep_k
-from .train import train_mask
+from .train import mask_kl, train_mask
 
 PAPER = "IG-Pruning (Qiao, Zhang, Feng; EMNLP 2025)"
 
@@ -249,7 +249,7 @@ def calibrate_all(model, calib_ids, skip_ratio: float, *, methods=C.METHODS,
                   route_tokens: int = C.DEFAULT_ROUTE_TOKENS, steps: int = C.DEFAULT_STEPS,
                   lr: float = C.DEFAULT_LR, batch: int = C.DEFAULT_BATCH,
                   sparsity_weight: float = C.DEFAULT_SPARSITY_WEIGHT, seed: int = 0,
-                  progress: bool = False) -> dict:
+                  refine: bool = True, progress: bool = False) -> dict:
     """Calibrate IG-Pruning specs at one skip ratio, sharing the embeddings and the Block
     Influence between methods.
 
@@ -265,6 +265,12 @@ def calibrate_all(model, calib_ids, skip_ratio: float, *, methods=C.METHODS,
         route_tokens: prompt tokens the router embeds.
         steps, lr, batch, sparsity_weight: :func:`~.train.train_mask`'s settings.
         seed: K-means and training seed.
+        refine: ``ig`` only: each cluster's mask training starts from the single L0
+            mask's ``log_alpha`` (refining it on the cluster, instead of from the Block
+            Influence), and each cluster keeps, of its trained mask, the single L0 mask
+            and the angular mask, the one of lowest KL on its own calibration windows
+            (:func:`~.train.mask_kl`; the figures and the choice are in ``stats["train"]``).
+            ``False``: the paper's independent per-cluster masks.
 
     Returns:
         ``{method: IgPruneSpec}``.
@@ -293,14 +299,20 @@ def calibrate_all(model, calib_ids, skip_ratio: float, *, methods=C.METHODS,
     shared_s = time.perf_counter() - t0       # embeddings + Block Influence, shared by the methods
     base_stats = {"n_skip": n_skip, "num_sub_blocks": n, "calib_windows": int(len(ids)),
                   "block_influence": [float(v) for v in bi]}
-    out = {}
+    out, single = {}, {}
+
+    def single_l0() -> dict:          # the single L0 mask, trained once for "l0" and refine
+        if not single:
+            single.update(train_mask(model, ids, n_skip, init=bi, **train))
+        return single
+
     for m in methods:
         t = time.perf_counter()
         if m == "angular":
             out[m] = IgPruneSpec(method=m, masks=[angular_mask(bi, n_skip)], centroids=one_centroid,
                                  settings={}, stats={**base_stats}, **common)
         elif m == "l0":
-            r = train_mask(model, ids, n_skip, init=bi, **train)
+            r = single_l0()
             out[m] = IgPruneSpec(method=m, masks=[r["mask"]], centroids=one_centroid,
                                  settings=dict(train),
                                  stats={**base_stats, "train": [_brief(r)]}, **common)
@@ -311,22 +323,37 @@ def calibrate_all(model, calib_ids, skip_ratio: float, *, methods=C.METHODS,
             else:
                 cents, labels, _ = kmeans(z, k, seed)
             masks, runs = [], []
+            start = {"log_alpha0": single_l0()["log_alpha"]} if refine else {}
             for c in range(k):
                 rows = torch.from_numpy(np.nonzero(labels == c)[0])
-                r = train_mask(model, ids[rows], n_skip, init=bi, **{**train, "seed": seed + c})
+                r = train_mask(model, ids[rows], n_skip, init=bi, **start, **{**train, "seed": seed + c})
+                run = {**_brief(r), "windows": int(len(rows))}
+                if refine:
+                    r["mask"], run["candidates"] = _best_candidate(
+                        model, ids[rows], {"cluster": r["mask"], "l0": single["mask"],
+                                           "angular": angular_mask(bi, n_skip)}, batch)
                 masks.append(r["mask"])
-                runs.append({**_brief(r), "windows": int(len(rows))})
+                runs.append(run)
                 if progress:
-                    print(f"igprune: cluster {c + 1}/{k} ({len(rows)} windows) kl {r['kl_last']:.4f}")
+                    print(f"igprune: cluster {c + 1}/{k} ({len(rows)} windows) kl {r['kl_last']:.4f}"
+                          + (f" candidates {run['candidates']}" if refine else ""))
             out[m] = IgPruneSpec(method=m, masks=masks, centroids=cents,
                                  settings={**train, "ks": list(ks), "k": k, "k_sweep": sweep,
-                                           "k_rule": "silhouette"},
+                                           "k_rule": "silhouette", "refine": bool(refine)},
                                  stats={**base_stats, "train": runs,
                                         "cluster_sizes": np.bincount(labels, minlength=k).tolist()},
                                  **common)
         out[m].stats["seconds"] = time.perf_counter() - t
         out[m].stats["shared_seconds"] = shared_s
     return out
+
+
+def _best_candidate(model, ids, candidates: dict, batch: int) -> tuple[list, dict]:
+    """The mask of lowest :func:`~.train.mask_kl` on ``ids`` among ``candidates``
+    (``{name: [2L]}``; ties: the first), and ``{"kl": {name: nats}, "chosen": name}``."""
+    kls = dict(zip(candidates, mask_kl(model, ids, list(candidates.values()), batch)))
+    best = min(kls, key=lambda n: (kls[n], list(candidates).index(n)))
+    return candidates[best], {"kl": kls, "chosen": best}
 
 
 def _brief(r: dict) -> dict:

@@ -52,8 +52,9 @@ def kl_to_dense(logits: torch.Tensor, dense_logp: torch.Tensor) -> torch.Tensor:
 
 
 def train_mask(model, calib_ids: torch.Tensor, n_skip: int, *, init: Optional[np.ndarray] = None,
-               steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR, batch: int = DEFAULT_BATCH,
-               sparsity_weight: float = DEFAULT_SPARSITY_WEIGHT, seed: int = 0) -> dict:
+               log_alpha0=None, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR,
+               batch: int = DEFAULT_BATCH, sparsity_weight: float = DEFAULT_SPARSITY_WEIGHT,
+               seed: int = 0) -> dict:
     """Learn one Hard-Concrete mask over the ``2L`` sub-blocks on ``calib_ids``.
 
     Args:
@@ -63,6 +64,8 @@ def train_mask(model, calib_ids: torch.Tensor, n_skip: int, *, init: Optional[np
         n_skip: sub-blocks the final mask skips.
         init: ``[2L]`` initial scores (e.g. Block Influence); ``log_alpha`` starts at
             ``1.5 * standardised(init) + 2`` (all ``2`` without it).
+        log_alpha0: ``[2L]`` starting ``log_alpha`` (e.g. the single mask's, to refine it
+            on one cluster); overrides ``init``.
         steps, lr, batch: Adam steps on ``log_alpha``, its learning rate, windows per step.
         sparsity_weight: ``lambda`` of the sparsity penalty.
         seed: seed of the window order and the gate noise.
@@ -77,6 +80,8 @@ def train_mask(model, calib_ids: torch.Tensor, n_skip: int, *, init: Optional[np
     if init is not None:
         v = np.asarray(init, np.float64)
         la0 = 2.0 + 1.5 * (v - v.mean()) / max(v.std(), 1e-12)
+    if log_alpha0 is not None:
+        la0 = np.asarray(log_alpha0, np.float64).reshape(n)
     log_alpha = torch.nn.Parameter(torch.tensor(la0, dtype=torch.float32))
     opt = torch.optim.Adam([log_alpha], lr=lr)
     gen = torch.Generator().manual_seed(seed)
@@ -110,4 +115,21 @@ def train_mask(model, calib_ids: torch.Tensor, n_skip: int, *, init: Optional[np
             "expected_kept": float(expected_open(log_alpha.detach()).sum())}
 
 
-__all__ = ["train_mask", "hard_concrete_sample", "expected_open", "top_mask", "kl_to_dense"]
+@torch.no_grad()
+def mask_kl(model, calib_ids: torch.Tensor, masks: list, batch: int = DEFAULT_BATCH) -> list:
+    """Mean ``KL(p_dense || p_masked)`` (nats per position) of each 0/1 mask of ``masks``
+    (``[2L]`` lists) on ``calib_ids`` (``int64 [n, seqlen]``); one dense pass per batch
+    is shared by the masks."""
+    from .gates import masked
+
+    sums = [0.0] * len(masks)
+    for s in range(0, len(calib_ids), batch):
+        ids = calib_ids[s:s + batch]
+        dense = torch.log_softmax(model(ids).logits.float(), -1)
+        for k, m in enumerate(masks):
+            with masked(model, torch.tensor(m)):
+                sums[k] += float(kl_to_dense(model(ids).logits, dense)) * len(ids)
+    return [v / max(len(calib_ids), 1) for v in sums]
+
+
+__all__ = ["train_mask", "mask_kl", "hard_concrete_sample", "expected_open", "top_mask", "kl_to_dense"]

@@ -133,6 +133,23 @@ def test_report_fills_the_readme_block(report):
     assert report.fill_block(readme, report.NO_RESULTS)          # the README has the markers
 
 
+def test_report_pivots_a_results_file_into_a_page_block(report):
+    recs = [{"case": "m/dense", "metric": "wikitext2_ppl", "ours": 28.74, "peer": None, "theirs": None},
+            {"case": "m/dense", "metric": "note", "ours": "x", "peer": None, "theirs": None},
+            {"case": "m/skip0.25/ig", "metric": "acc_task_mean", "ours": 0.5125, "peer": None, "theirs": None},
+            {"case": "m/skip0.25/ig", "metric": "wikitext2_ppl", "ours": 61.2, "peer": None, "theirs": None}]
+    got = report.render_pivot("igpruning.json", "committed 2026-12-03", recs,
+                              ("wikitext2_ppl", "ppl_lang_mean", "acc_task_mean"))
+    assert got.splitlines()[:4] == ["| case | wikitext2_ppl | acc_task_mean |", "|---|---|---|",
+                                    "| m/dense | 28.74 | — |", "| m/skip0.25/ig | 61.20 | 0.512 |"]
+    assert got.endswith("from `bench/results/igpruning.json`, committed 2026-12-03.")
+    start, end = report.markers("igpruning")
+    page = f"a\n{start}\nold\n{end}\nb\n"
+    assert report.fill_block(page, "| t |", "igpruning") == f"a\n{start}\n| t |\n{end}\nb\n"
+    for stem, (page, _) in report.DOC_TABLES.items():       # every page has its markers
+        assert report.fill_block((BENCH.parent / page).read_text(), "x", stem)
+
+
 def test_bench_scripts_do_not_edit_the_module_search_path():
     offenders = [p.name for p in BENCH.glob("*.py") if "sys.path" in p.read_text()]
     assert offenders == []

@@ -64,6 +64,19 @@ def test_calibration_gives_the_three_methods_at_the_skip_ratio(specs):
     assert sorted(ig.stats["cluster_sizes"]) == [6, 6]      # the two kinds of windows
 
 
+def test_refined_clusters_keep_their_lowest_kl_candidate(model, calib, specs):
+    from edgeprune.igprune.train import mask_kl
+    ig, l0, ang = specs["ig"], specs["l0"], specs["angular"]
+    assert ig.settings["refine"] is True
+    for mask, run in zip(ig.masks, ig.stats["train"]):
+        kl, chosen = run["candidates"]["kl"], run["candidates"]["chosen"]
+        assert set(kl) == {"cluster", "l0", "angular"} and kl[chosen] == min(kl.values())
+        if chosen != "cluster":
+            assert mask == {"l0": l0.masks[0], "angular": ang.masks[0]}[chosen]
+    got = mask_kl(model, calib[:3], [[1] * (2 * L), ang.masks[0]], batch=2)
+    assert got[0] == pytest.approx(0.0, abs=1e-6) and got[1] > 1e-4
+
+
 def test_block_influence_and_the_angular_mask(model, calib):
     bi = block_influence(model, calib[:4])
     assert bi.shape == (2 * L,) and np.all(bi >= 0) and np.all(bi <= 2)
