@@ -122,3 +122,20 @@ def test_weight_page_dropper_sweeps_in_the_background_until_closed(tmp_path):
         assert d.sweeps == done                           # stopped with the block
     finally:
         m.close()
+
+
+def test_load_memory_stages_of_a_tiny_export(tmp_path, benchlib, monkeypatch):
+    """bench/load_memory.py's stage worker: one reading per stage, resident sizes that
+    grow with what is loaded, every peak at least the resident size at that point."""
+    import sys
+
+    from bench_modules import load_bench
+    from tiny import export_tiny_llama
+
+    folder, _, _ = export_tiny_llama(tmp_path / "tiny", precision="int4", max_length=64)
+    monkeypatch.setitem(sys.modules, "compare_llamacpp", load_bench("compare_llamacpp"))
+    st = load_bench("load_memory").worker_stages(str(folder), 1, 16, 8)
+    assert list(st) == ["imports", "tokenizer", "session", "generate"]
+    for k, v in st.items():
+        assert 0 < v["rss"] <= v["hwm"] + 1e-6, k
+    assert st["generate"]["hwm"] >= st["session"]["hwm"] >= st["imports"]["hwm"]
