@@ -139,7 +139,6 @@ def main(argv=None) -> int:
             if "error" in st:
                 records.append(benchlib.error_record(f"{model}/{pref}/stages", st["error"], side="ours"))
                 continue
-            st = st["stages"]
             log(f"{model}/{pref} stages (MiB, resident / peak so far): " +
                 ", ".join(f"{k} {st[k]['rss']:.1f} / {st[k]['hwm']:.1f}" for k in STAGES))
             for k in STAGES:
