@@ -117,6 +117,9 @@ def main(argv=None) -> int:
         log(f"round {rep + 1}/{repeat}: " + ", ".join(f"{k} {v[-1]:.1f} MiB" for k, v in peaks.items()))
 
     records = []
+    if a.ours:
+        records.append(benchlib.note_record(f"{model}/int4", f"ours: the export folder {a.ours} "
+                                            "(--ours), measured as it is"))
     for v in dirs:
         pref = "int4" if v == "ours" else f"int4-{v}"
         for q in a.quants:
