@@ -358,6 +358,9 @@ OURS_VARIANTS = {
     # them (float32 scales, packed 4-bit zero points): under the 4.5 bound as stored too
     "rtn-g128": "data-free RTN int4 g128 asym, no calibration (4.28 bits/weight as stored)",
     "gptq-g128": "GPTQ int4 g128 asym (act-order, static groups), C4 32x512 calibration",
+    # symmetric RTN g64: no zero points, so 4.5 bits/weight as a float32 graph stores it
+    # (float32 scales), 4.25 with 16-bit scales
+    "rtn-g64-sym": "data-free RTN int4 g64 sym, no calibration (4.5 bits/weight as stored)",
     # rtn-g64 with an int4 head (block 32 asym) instead of the 8-bit one: for a tied
     # 262k-row table (Gemma 3) the head is most of the resident memory
     "rtn-g64-h4": "data-free RTN int4 g64 asym, int4 head (block 32 asym)",
@@ -445,6 +448,14 @@ def build_ours(variant: str, folder: Path, model: str = SMOLLM2) -> str:
         kw["quantized"] = res.quantized
         summary = {"compress_s": round(res.seconds, 1),
                    "avg_bits_per_weight": res.summary()["avg_bits_per_weight"]}
+    elif variant == "rtn-g64-sym":
+        from edgeprune.engine import compress
+        from edgeprune.methods.rtn import RTNConfig
+        from edgeprune.recipe import Recipe
+
+        res = compress(m, Recipe([RTNConfig(bits=4, group_size=64, sym=True)]), None,
+                       progress=False, measure_errors=False)
+        kw["quantized"] = res.quantized
     else:
         kw["group_size"] = {"rtn-g32": 32, "rtn-g64": 64, "rtn-g128": 128, "rtn-g64-h4": 64}[variant]
         if variant.endswith("-h4"):
