@@ -354,6 +354,16 @@ OURS_VARIANTS = {
     # GPTQ int4 g64 asym (static act-order, best-w4's 4-bit stage, every decoder linear),
     # calibrated on 32 x 512 C4 validation windows (seed 0): 4.3125 bits/weight
     "gptq-g64": "GPTQ int4 g64 asym (act-order, static groups), C4 32x512 calibration",
+    # group 128: 4.15625 bits/weight with 16-bit scales, 4.28125 as a float32 graph stores
+    # them (float32 scales, packed 4-bit zero points): under the 4.5 bound as stored too
+    "rtn-g128": "data-free RTN int4 g128 asym, no calibration (4.28 bits/weight as stored)",
+    "gptq-g128": "GPTQ int4 g128 asym (act-order, static groups), C4 32x512 calibration",
+    # symmetric RTN g64: no zero points, so 4.5 bits/weight as a float32 graph stores it
+    # (float32 scales), 4.25 with 16-bit scales
+    "rtn-g64-sym": "data-free RTN int4 g64 sym, no calibration (4.5 bits/weight as stored)",
+    # rtn-g64 with an int4 head (block 32 asym) instead of the 8-bit one: for a tied
+    # 262k-row table (Gemma 3) the head is most of the resident memory
+    "rtn-g64-h4": "data-free RTN int4 g64 asym, int4 head (block 32 asym)",
     # the best-w4 preset (8-bit v_proj and layers.0 down_proj) calibrated on C4 32 x 512
     "best-w4-c4": "best-w4 (GPTQ int4 g64 asym, 8-bit v_proj + layers.0 down_proj), C4 32x512 calibration",
     # long contexts (issue 25): "-8k" exports have max_length 8,192 (room for 4,096-token
@@ -436,22 +446,34 @@ def build_ours(variant: str, folder: Path, model: str = SMOLLM2) -> str:
         cal = build_calibration(t, DEFAULT_CALIB, nsamples=c.nsamples, seqlen=c.seqlen,
                                 seed=c.seed, model=m)
         kw["quantized"] = compress(m, build_recipe(c), cal.input_ids, progress=False).quantized
-    elif variant in ("gptq-g64", "best-w4-c4"):
+    elif variant in ("gptq-g64", "gptq-g128", "best-w4-c4"):
         from edgeprune.calibration import build_calibration
         from edgeprune.engine import compress
         from edgeprune.recipe import GPTQConfig, Recipe
 
-        recipe = (Recipe([GPTQConfig(bits=4, group_size=64, sym=False, act_order=True,
-                                     static_groups=True)]) if variant == "gptq-g64" else
+        recipe = (Recipe([GPTQConfig(bits=4, group_size=int(variant.rsplit("g", 1)[1]), sym=False,
+                                     act_order=True, static_groups=True)])
+                  if variant.startswith("gptq-") else
                   Recipe.from_file(ROOT / "edgeprune" / "recipes" / "best-w4.yaml"))
         cal = build_calibration(t, C4, nsamples=32, seqlen=512, seed=0)
         res = compress(m, recipe, cal.input_ids, progress=False, measure_errors=False)
         kw["quantized"] = res.quantized
         summary = {"compress_s": round(res.seconds, 1),
                    "avg_bits_per_weight": res.summary()["avg_bits_per_weight"]}
+    elif variant == "rtn-g64-sym":
+        from edgeprune.engine import compress
+        from edgeprune.methods.rtn import RTNConfig
+        from edgeprune.recipe import Recipe
+
+        res = compress(m, Recipe([RTNConfig(bits=4, group_size=64, sym=True)]), None,
+                       progress=False, measure_errors=False)
+        kw["quantized"] = res.quantized
     else:
         base, _, extra = variant.partition("-kv") if "-kv" in variant else variant.partition("-leank")
-        kw["group_size"] = {"rtn-g32": 32, "rtn-g64": 64}[base.removesuffix("-8k")]
+        base = base.removesuffix("-8k")
+        kw["group_size"] = {"rtn-g32": 32, "rtn-g64": 64, "rtn-g128": 128, "rtn-g64-h4": 64}[base]
+        if base.endswith("-h4"):
+            kw["lm_head"] = "int4"
         if extra:
             kw["variants"] = [_cache_variant(variant, m, t)]
             summary["cache_variant"] = variant[len(base) + 1:]

@@ -24,6 +24,7 @@ Context overflow (``context_policy``):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -47,6 +48,11 @@ from .variants import session_class
 
 Prompt = Union[str, Sequence[int], Sequence[str], Sequence[Sequence[int]]]
 REQUIRED_FILES = ("model.onnx", "edgeprune.json", "tokenizer.json")
+
+
+def _no_dropper():
+    """No page dropping (GPU sessions copy the weights to the device)."""
+    return contextlib.nullcontext()
 
 
 def _providers(device: str, sparse_24: bool) -> list:
@@ -157,8 +163,10 @@ class Session(GenerationLoop):
             memory.release_free_heap()    # freed heap the load may reuse: not resident, so counted as new
             before = resident_stretches()
         try:
-            self.sess = ort.InferenceSession(str(self.folder / "model.onnx"), so,
-                                             providers=_providers(device, sparse))
+            # the mapped weights are handed back while the build pre-packs them, not after
+            with memory.WeightPageDropper(self.folder) if self.device == "cpu" else _no_dropper():
+                self.sess = ort.InferenceSession(str(self.folder / "model.onnx"), so,
+                                                 providers=_providers(device, sparse))
         except RuntimeLoadError:
             raise
         except Exception as e:  # noqa: BLE001  (onnxruntime raises several types)

@@ -1,0 +1,141 @@
+"""What a load holds in memory: the tokenizer file's merges form and the weight pages
+dropped while onnxruntime builds the session (issue 22: Gemma 3 270M's peak RSS)."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+
+from edgeprune_exporters.folder import MERGES_CHECK_TEXT, compact_merges
+import edgeprune_runtime.memory as rm
+
+TEXTS = [MERGES_CHECK_TEXT, "the cat sat on the mat; then the hat", "aaaa bbbb abab"]
+
+
+def _bpe_file(tmp_path: Path, extra_token: str | None = None) -> Path:
+    """A small byte-fallback-free BPE tokenizer.json as ``tokenizers`` >= 0.20 writes it
+    (merges as pairs), trained on a few sentences."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(TEXTS * 20, trainers.BpeTrainer(vocab_size=120,
+                                                             special_tokens=["[UNK]"]))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    if extra_token is not None:                     # a merge whose part holds a space
+        d = json.loads(path.read_text())
+        a, b = extra_token.split("|")
+        d["model"]["vocab"][a + b] = len(d["model"]["vocab"])
+        d["model"]["vocab"].setdefault(a, len(d["model"]["vocab"]))
+        d["model"]["merges"].append([a, b])
+        path.write_text(json.dumps(d))
+    return path
+
+
+def test_compact_merges_writes_strings_and_keeps_every_id(tmp_path):
+    from tokenizers import Tokenizer
+
+    path = _bpe_file(tmp_path)
+    before = json.loads(path.read_text())["model"]["merges"]
+    assert before and all(isinstance(m, list) for m in before)
+    ref = Tokenizer.from_file(str(path))
+    size = path.stat().st_size
+    assert compact_merges(path) is True
+    after = json.loads(path.read_text())["model"]["merges"]
+    assert after == [f"{a} {b}" for a, b in before]
+    assert path.stat().st_size < size                     # no indentation either
+    new = Tokenizer.from_file(str(path))
+    assert new.get_vocab() == ref.get_vocab()
+    for t in TEXTS:
+        assert new.encode(t).ids == ref.encode(t).ids
+    assert compact_merges(path) is False                  # already strings: left alone
+
+
+def test_compact_merges_leaves_a_merge_with_a_space_alone(tmp_path):
+    path = _bpe_file(tmp_path, extra_token="a b|c")
+    raw = path.read_bytes()
+    assert compact_merges(path) is False
+    assert path.read_bytes() == raw
+
+
+def _mapped(tmp_path: Path, pages: int = 64):
+    """``folder/model.onnx.data`` of ``pages`` pages mapped private and writable (as
+    onnxruntime maps external initializers), every page read once; returns
+    ``(folder, mmap, content)``."""
+    folder = tmp_path / "export"
+    folder.mkdir()
+    content = os.urandom(pages * 4096)
+    (folder / "model.onnx.data").write_bytes(content)
+    with open(folder / "model.onnx.data", "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    assert sum(m[i * 4096] for i in range(pages)) >= 0    # fault every page in
+    return folder, m, content
+
+
+def _resident(folder: Path) -> int:
+    return sum(x["Rss"] for x in rm.weight_mappings(folder))
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="needs Linux /proc/self/pagemap")
+def test_weight_page_dropper_hands_back_read_pages_and_keeps_written_ones(tmp_path):
+    folder, m, content = _mapped(tmp_path)
+    try:
+        assert _resident(folder) == len(content)
+        (a, b), = rm._weight_ranges(folder)
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+        try:
+            assert rm._has_written_pages(fd, a, b) is False
+            dropper = rm.WeightPageDropper(folder)
+            assert dropper.sweep() == len(content)
+            assert _resident(folder) == 0
+            assert m[:] == content                       # read back from the file
+            m[5 * 4096] = (content[5 * 4096] + 1) % 256  # a copy-on-write page
+            assert rm._has_written_pages(fd, a, b) is True
+        finally:
+            os.close(fd)
+        assert dropper.sweep() == 0                       # never advised: the write is kept
+        assert m[5 * 4096] == (content[5 * 4096] + 1) % 256
+        assert dropper.sweeps == 2 and dropper.dropped == len(content)
+    finally:
+        m.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="needs Linux /proc/self/pagemap")
+def test_weight_page_dropper_sweeps_in_the_background_until_closed(tmp_path):
+    folder, m, content = _mapped(tmp_path)
+    try:
+        with rm.WeightPageDropper(folder, interval=0.001) as d:
+            import time
+            t0 = time.monotonic()
+            while d.sweeps < 3 and time.monotonic() - t0 < 10:
+                time.sleep(0.01)
+            assert m[:] == content                        # pages fault back in
+        done = d.sweeps
+        assert done >= 3 and d.dropped >= len(content)
+        time.sleep(0.05)
+        assert d.sweeps == done                           # stopped with the block
+    finally:
+        m.close()
+
+
+def test_load_memory_stages_of_a_tiny_export(tmp_path, benchlib, monkeypatch):
+    """bench/load_memory.py's stage worker: one reading per stage, resident sizes that
+    grow with what is loaded, every peak at least the resident size at that point."""
+    import sys
+
+    from bench_modules import load_bench
+    from tiny import export_tiny_llama
+
+    folder, _, _ = export_tiny_llama(tmp_path / "tiny", precision="int4", max_length=64)
+    monkeypatch.setitem(sys.modules, "compare_llamacpp", load_bench("compare_llamacpp"))
+    st = load_bench("load_memory").worker_stages(str(folder), 1, 16, 8)
+    assert list(st) == ["imports", "tokenizer", "session", "generate"]
+    for k, v in st.items():
+        assert 0 < v["rss"] <= v["hwm"] + 1e-6, k
+    assert st["generate"]["hwm"] >= st["session"]["hwm"] >= st["imports"]["hwm"]
