@@ -45,6 +45,11 @@ DOC_TABLES = {
     "igpruning_quick_norefine": ("docs/igpruning.md", _IG_METRICS),
     "igpruning_speed": ("docs/igpruning.md", ("decode_tok_s", "decode_speedup_vs_dense", "ideal_speedup",
                                               "skipped_weight_fraction", "router_ms", "ttft_ms", "kv_bytes")),
+    "accuracy_levels": ("docs/int4-export.md", ("argmax_agree", "max_abs_dlogit", "argmax_agree_onepass_vs_exact",
+                                                "argmax_agree_decode_vs_exact", "decode_tok_s_t1",
+                                                "ratio_vs_level4_t1", "decode_tok_s_t2", "ratio_vs_level4_t2")),
+    "calibration_languages": ("docs/evaluation.md", ("ppl_increase_pct_en", "ppl_increase_pct_worst",
+                                                     "worst_over_en", "ppl_increase_pct_wikitext2")),
 }
 NO_RESULTS = ("No results are committed yet: run the benches with `--json bench/results/<script>.json` "
               "(e.g. `make bench-quick`), then `make bench-docs`.")
