@@ -15,7 +15,9 @@ through the runtime against the fp32 export of the dense model (``edgeprune eval
 
 Sources: ``self`` (text sampled from the model, unseeded: mostly English),
 ``self-multilingual`` (sampled windows seeded with the shipped prompts in twelve
-languages), ``default`` (the embedded English documentation text), or a text file. No peer
+languages), ``self-mixed`` (half unseeded, half seeded), ``default`` (the embedded
+English documentation text), or a text file; ``SOURCE:N`` calibrates on ``N`` windows
+instead of ``--nsamples`` (case name ``SOURCE:N``). No peer
 runs here (``peer``/``theirs`` null). Quality only: valid on a loaded machine.
 
 Usage::
@@ -77,7 +79,8 @@ def records_from_eval(source: str, ev: dict) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     benchlib.add_common_args(ap, "sources default and self-multilingual, 100 lines, 10 WikiText windows")
-    ap.add_argument("--sources", default=None, help="comma list: self, self-multilingual, default, or text files")
+    ap.add_argument("--sources", default=None, help="comma list: self, self-multilingual, self-mixed, default, or text files; "
+                                                           "SOURCE:N for N calibration windows")
     ap.add_argument("--nsamples", type=int, default=32)
     ap.add_argument("--lang-lines", type=int, default=None, help="default 300")
     ap.add_argument("--nwindows", type=int, default=None, help="WikiText-2 windows (default 40)")
@@ -100,12 +103,13 @@ def main(argv=None) -> int:
         if src in evals:
             ev = json.loads(Path(evals[src]).read_text(encoding="utf-8"))
         else:
-            tag = Path(src).stem if Path(src).suffix else src
+            name, _, ns = src.partition(":") if not Path(src).suffix else (src, "", "")
+            tag = (Path(name).stem if Path(name).suffix else name) + (f"-n{ns}" if ns else "")
             ex = Path(exports.get(src) or work / f"int4-{tag}")
             if not (ex / "model.onnx").is_file():
                 ck = work / f"ckpt-{tag}"
-                _cli("compress", "smollm2-135m", "--recipe", "best-w4", "--calib", src, "--nsamples",
-                     str(a.nsamples), "--threads", str(a.threads), "--out", str(ck), "--overwrite")
+                _cli("compress", "smollm2-135m", "--recipe", "best-w4", "--calib", name, "--nsamples",
+                     ns or str(a.nsamples), "--threads", str(a.threads), "--out", str(ck), "--overwrite")
                 _cli("export", str(ck), str(ex), "--no-validate", "--threads", str(a.threads), "--overwrite")
             if not (dense / "model.onnx").is_file():
                 _cli("export", "smollm2-135m", str(dense), "--precision", "fp32", "--no-validate",

@@ -19,6 +19,14 @@ Sources accepted by :func:`load_documents` / :func:`get_calibration`:
   windows (``bench/calibration_domain.py --quick``): embedded 50.03, C4 45.24,
   self-generated 44.94. Generation costs time (~80 s for 16 x 512 tokens with the PyTorch
   model on 2 CPU cores).
+* ``"self-multilingual"``: the same, each window seeded with one of the shipped prompts in
+  twelve languages (``edgeprune/data/calibration_prompts.json``);
+* ``"self-mixed"``: half of the windows unseeded (as ``"self"``), half seeded (as
+  ``"self-multilingual"``). Unseeded, a small model writes mostly English and the
+  quantizer fits English at the other languages' cost (SmolLM2-135M best-w4 int4: NTREX
+  German +29.7 % perplexity vs English +13.0 %); seeded only, the other languages gain but
+  English loses (+15.7 %). ``bench/calibration_languages.py`` measures each source per
+  language (``docs/evaluation.md``).
 
 **The embedded default text** is the Python standard library's bundled documentation
 topics (``pydoc_data.topics``: 79 topics, about 465k characters of English prose and code
@@ -225,6 +233,11 @@ def _check_nsamples(nsamples) -> None:
 #: Calibration source of text sampled from the model, each window seeded with one of the
 #: prompts in several languages shipped in ``edgeprune/data/calibration_prompts.json``.
 SELF_MULTILINGUAL = "self-multilingual"
+#: Calibration source of text sampled from the model, every other window unseeded (the
+#: model's own, mostly English, text: what ``self`` fits) and the rest seeded with the
+#: shipped multilingual prompts (what :data:`SELF_MULTILINGUAL` fits).
+SELF_MIXED = "self-mixed"
+SELF_SOURCES = ("self", SELF_MULTILINGUAL, SELF_MIXED)
 _PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "calibration_prompts.json"
 
 
@@ -237,12 +250,24 @@ def seed_prompts() -> list[str]:
     return [v[r] for r in range(rounds) for v in by_lang.values() if r < len(v)]
 
 
+def mixed_prompts() -> list[str]:
+    """Seeds of :data:`SELF_MIXED`: ``""`` (BOS alone) at even window indices, the
+    :func:`seed_prompts` in order at odd ones (so the first ``N`` windows are half
+    unseeded, half spread over the languages)."""
+    return [q for p in seed_prompts() for q in ("", p)]
+
+
+def _source_prompts(source: str):
+    """The seed prompts of a self-generated calibration source (None: unseeded)."""
+    return {SELF_MULTILINGUAL: seed_prompts, SELF_MIXED: mixed_prompts}.get(source, lambda: None)()
+
+
 def _seed_rows(tokenizer, start: int, prompts, nsamples: int, seqlen: int) -> list[list[int]]:
     """Each window's seed: ``[start]`` + the ids of ``prompts[i % len(prompts)]`` (no
-    special tokens), cut to ``seqlen // 2`` tokens so that the model writes at least half."""
+    special tokens; an empty prompt leaves ``[start]`` alone), cut to ``seqlen // 2`` tokens so that the model writes at least half."""
     if not prompts:
         return [[start]] * nsamples
-    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] if p else [] for p in prompts]
     return [([start] + ids[i % len(ids)])[: max(1, seqlen // 2)] for i in range(nsamples)]
 
 
@@ -329,7 +354,10 @@ def self_generated(model, tokenizer, *, nsamples: int = 128, seqlen: int = 512, 
         bar.close()
         model.train(was)
     input_ids = torch.stack(out, 0).to(torch.long)
-    src = f"self:T={float(temperature):g}" + (f",prompts={len(prompts)}" if prompts else "")
+    seeded = sum(1 for p in (prompts or ()) if p)
+    src = f"self:T={float(temperature):g}" + (
+        f",prompts={seeded}" + (f",unseeded={len(prompts) - seeded}" if seeded < len(prompts) else "")
+        if prompts else "")
     info = dict(source=src, sha256=hashlib.sha256(
         input_ids.numpy().tobytes()).hexdigest(), seed=seed, nsamples=nsamples, seqlen=seqlen,
         tokens_read=int(input_ids.numel()), windows_available=nsamples,
@@ -360,12 +388,12 @@ def build_calibration(tokenizer, source: str | Path | None = None, *, nsamples: 
         CalibrationError: unreadable source, or too little text for the requested windows
             (the message says how many tokens were found and how many are needed).
     """
-    if source is not None and str(source) in ("self", SELF_MULTILINGUAL):
+    if source is not None and str(source) in SELF_SOURCES:
         if model is None:
             raise CalibrationError(f"calibration source {str(source)!r} samples text from the model",
                                    "pass model= to build_calibration (the CLI does this for --calib self)")
         return self_generated(model, tokenizer, nsamples=nsamples, seqlen=seqlen, seed=seed,
-                              prompts=seed_prompts() if str(source) == SELF_MULTILINGUAL else None,
+                              prompts=_source_prompts(str(source)),
                               progress=progress)
     _check_nsamples(nsamples)
     check_seqlen(seqlen, model_max_length)
@@ -414,6 +442,6 @@ def get_calibration(tokenizer, source: str | Path | None = None, nsamples: int =
 
 
 __all__ = ["CalibrationSet", "build_calibration", "describe", "self_generated", "seed_prompts",
-           "SELF_MULTILINGUAL", "get_calibration", "default_documents",
+           "SELF_MULTILINGUAL", "SELF_MIXED", "SELF_SOURCES", "mixed_prompts", "get_calibration", "default_documents",
            "default_text", "load_documents", "read_text_file", "token_stream", "check_seqlen",
            "MAX_SEQLEN"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from edgeprune.calibration import SELF_MULTILINGUAL, build_calibration, seed_prompts, self_generated
+from edgeprune.calibration import (SELF_MIXED, SELF_MULTILINGUAL, build_calibration, mixed_prompts,
+                                  seed_prompts, self_generated)
 from tiny import byte_tokenizer
 
 
@@ -43,3 +44,19 @@ def test_the_multilingual_source_is_a_calibration_source(tiny_llama):
     first = tok(seed_prompts()[0], add_special_tokens=False)["input_ids"][:149]   # 1 + 149 = seqlen // 2
     assert r.input_ids[0, 1:150].tolist() == first
     assert r.info["source"].startswith("self:T=1,prompts=")
+
+
+def test_the_mixed_source_alternates_unseeded_and_seeded_windows(tiny_llama):
+    tok = byte_tokenizer()
+    assert mixed_prompts()[:4] == ["", seed_prompts()[0], "", seed_prompts()[1]]
+    r = build_calibration(tok, SELF_MIXED, nsamples=4, seqlen=300, model=tiny_llama)
+    eos = tok.eos_token_id
+    for i in (1, 3):         # odd windows: BOS (else EOS) + the next shipped prompt
+        seed = tok(seed_prompts()[i // 2], add_special_tokens=False)["input_ids"][:149]
+        assert r.input_ids[i, :150].tolist() == [eos] + seed
+    for i in (0, 2):         # even windows: BOS alone, then sampled (never the prompt text)
+        assert r.input_ids[i, 0].item() == eos
+        assert r.input_ids[i, 1:150].tolist() != tok(seed_prompts()[i // 2], add_special_tokens=False)["input_ids"][:149]
+        assert not (r.input_ids[i, 1:] == eos).any()
+    n = len(seed_prompts())
+    assert r.info["source"] == f"self:T=1,prompts={n},unseeded={n}"
