@@ -23,10 +23,11 @@ Sources accepted by :func:`load_documents` / :func:`get_calibration`:
   twelve languages (``edgeprune/data/calibration_prompts.json``);
 * ``"self-mixed"``: half of the windows unseeded (as ``"self"``), half seeded (as
   ``"self-multilingual"``). Unseeded, a small model writes mostly English and the
-  quantizer fits English at the other languages' cost (SmolLM2-135M best-w4 int4: NTREX
-  German +29.7 % perplexity vs English +13.0 %); seeded only, the other languages gain but
-  English loses (+15.7 %). ``bench/calibration_languages.py`` measures each source per
-  language (``docs/evaluation.md``).
+  quantizer fits English at the other languages' cost (SmolLM2-135M best-w4 int4, 32
+  windows: NTREX German +29.7 % perplexity vs English +11.7 %; ``"self-mixed"`` with 64
+  windows: German +17.9 %, English +12.4 %, but WikiText-2 +14.0 % vs +11.2 %).
+  ``bench/calibration_languages.py`` measures each source per language
+  (``docs/evaluation.md``).
 
 **The embedded default text** is the Python standard library's bundled documentation
 topics (``pydoc_data.topics``: 79 topics, about 465k characters of English prose and code
@@ -257,14 +258,14 @@ def mixed_prompts() -> list[str]:
     return [q for p in seed_prompts() for q in ("", p)]
 
 
-def _source_prompts(source: str):
-    """The seed prompts of a self-generated calibration source (None: unseeded)."""
-    return {SELF_MULTILINGUAL: seed_prompts, SELF_MIXED: mixed_prompts}.get(source, lambda: None)()
+#: self-generated sources seeded with prompts -> the function giving their seeds
+_SEEDED_SOURCES = {SELF_MULTILINGUAL: seed_prompts, SELF_MIXED: mixed_prompts}
 
 
 def _seed_rows(tokenizer, start: int, prompts, nsamples: int, seqlen: int) -> list[list[int]]:
     """Each window's seed: ``[start]`` + the ids of ``prompts[i % len(prompts)]`` (no
-    special tokens; an empty prompt leaves ``[start]`` alone), cut to ``seqlen // 2`` tokens so that the model writes at least half."""
+    special tokens; an empty prompt leaves ``[start]`` alone), cut to ``seqlen // 2``
+    tokens so that the model writes at least half."""
     if not prompts:
         return [[start]] * nsamples
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] if p else [] for p in prompts]
@@ -393,7 +394,7 @@ def build_calibration(tokenizer, source: str | Path | None = None, *, nsamples: 
             raise CalibrationError(f"calibration source {str(source)!r} samples text from the model",
                                    "pass model= to build_calibration (the CLI does this for --calib self)")
         return self_generated(model, tokenizer, nsamples=nsamples, seqlen=seqlen, seed=seed,
-                              prompts=_source_prompts(str(source)),
+                              prompts=_SEEDED_SOURCES[str(source)]() if str(source) in _SEEDED_SOURCES else None,
                               progress=progress)
     _check_nsamples(nsamples)
     check_seqlen(seqlen, model_max_length)

@@ -415,8 +415,8 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
         t = time.perf_counter()
         calib = cfg.calib if cfg.calib is not None else DEFAULT_CALIB
         log(f"[2/7] calibration: {cfg.nsamples} x {cfg.seqlen} tokens from "
-            + ("text sampled from the model itself" if calib == "self" else
-               f"text sampled from the model itself ({calib})" if calib in SELF_SOURCES else
+            + ("text sampled from the model itself" + (f" ({calib})" if calib != "self" else "")
+               if calib in SELF_SOURCES else
                "the embedded default text" if calib == "default" else calib))
         cal = build_calibration(tok, calib, nsamples=cfg.nsamples, seqlen=cfg.seqlen, seed=cfg.seed,
                                 progress=True,
