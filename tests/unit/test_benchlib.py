@@ -143,6 +143,12 @@ def test_report_pivots_a_results_file_into_a_page_block(report):
     assert got.splitlines()[:4] == ["| case | wikitext2_ppl | acc_task_mean |", "|---|---|---|",
                                     "| m/dense | 28.74 | — |", "| m/skip0.25/ig | 61.20 | 0.512 |"]
     assert got.endswith("from `bench/results/igpruning.json`, committed 2026-12-03.")
+    # NAME:theirs is the peer's figure of NAME, in a column of its own
+    side = [{"case": "a_vs_q4_0/p2048/t1", "metric": "decode_tok_s", "ours": 53.8, "peer": "llama.cpp", "theirs": 63.4},
+            {"case": "a/p2048/t1", "metric": "bandwidth_limit_tok_s", "ours": 219.9, "peer": None, "theirs": None}]
+    got = report.render_pivot("x.json", "d", side, ("decode_tok_s", "decode_tok_s:theirs", "peak_rss_mib"))
+    assert got.splitlines()[:3] == ["| case | decode_tok_s | decode_tok_s (peer) |", "|---|---|---|",
+                                    "| a_vs_q4_0/p2048/t1 | 53.80 | 63.40 |"]
     start, end = report.markers("igpruning")
     page = f"a\n{start}\nold\n{end}\nb\n"
     assert report.fill_block(page, "| t |", "igpruning") == f"a\n{start}\n| t |\n{end}\nb\n"
