@@ -52,6 +52,9 @@ DOC_TABLES = {
         "decode_tok_s", "decode_tok_s:theirs", "decode_ratio_paired", "decode_ratio_paired_min",
         "decode_ratio_paired_max", "prefill_tok_s", "prefill_tok_s:theirs", "peak_rss_mib",
         "peak_rss_mib:theirs", "kv_cache_mib", "kv_cache_mib:theirs")),
+    "task_parity": ("docs/study.md", tuple(f"{m}_{t}{side}" for t in ("piqa", "arc_easy", "hellaswag")
+                                           for m in ("acc", "acc_norm") for side in ("", ":theirs"))
+                    + ("max_abs_diff_points",)),
     "calibration_languages": ("docs/evaluation.md", tuple(f"ppl_increase_pct_{c}" for c in (
         "eng", "arb", "deu", "fra", "rus", "spa", "zho-CN")) + ("worst_over_en", "ppl_increase_pct_wikitext2")),
 }

@@ -159,3 +159,16 @@ def test_report_pivots_a_results_file_into_a_page_block(report):
 def test_bench_scripts_do_not_edit_the_module_search_path():
     offenders = [p.name for p in BENCH.glob("*.py") if "sys.path" in p.read_text()]
     assert offenders == []
+
+
+def test_task_parity_records_points_and_the_largest_difference(benchlib):
+    tp = load_bench("task_parity")
+    same = {t: {"acc": 0.5, "acc_norm": 0.25} for t in tp.TASKS}
+    off = {**same, "arc_easy": {"acc": 0.52, "acc_norm": 0.25}}
+    recs = tp.records({"dense_torch": off, "lmeval_hf": same})
+    assert {r["case"] for r in recs} == {"dense/torch_vs_lm_eval_hf"}      # sides missing: no case
+    by = {r["metric"]: r for r in recs}
+    assert by["acc_arc_easy"]["ours"] == pytest.approx(52.0) and by["acc_arc_easy"]["theirs"] == 50.0
+    assert by["acc_arc_easy"]["peer"] == "lm-eval hf"
+    assert by["max_abs_diff_points"]["ours"] == pytest.approx(2.0)
+    assert len(recs) == 2 * len(tp.TASKS) + 1
