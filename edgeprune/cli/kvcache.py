@@ -11,7 +11,8 @@ from ._common import _check_output, _console, threads_option
 @cli.command("kvcache")
 @click.argument("model")
 @click.option("--dtype", type=click.Choice(["int8", "fp16"]), default="int8", show_default=True,
-              help="Cache element type (int8: per-channel scales calibrated here).")
+              help="Cache element type (int8: per-channel scales calibrated here; fp16 decodes "
+                   "slower than the fp32 cache on x86 CPUs, docs/kv-cache.md).")
 @click.option("--calib", default=None, help="Calibration text for the int8 scales (default: embedded text).")
 @click.option("--nsamples", type=int, default=4, show_default=True)
 @click.option("--seqlen", type=int, default=2048, show_default=True,
