@@ -244,6 +244,14 @@ PEER_VENVS = {
 }
 
 
+def edgeprune_cli(*args: str) -> None:
+    """Run ``edgeprune ARGS...`` (this venv's console script) in a child process.
+
+    Raises:
+        subprocess.CalledProcessError: the command exited non-zero."""
+    subprocess.run([str(Path(sys.executable).with_name("edgeprune")), *args], check=True)
+
+
 def venv_python(name: str) -> Path:
     """Path of the python interpreter of the peer venv ``ROOT/.venv-<name>``."""
     return ROOT / f".venv-{name}" / "bin" / "python"

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import benchlib
 from benchlib import SHARED, WIKI
+from benchlib import edgeprune_cli as _cli
 
 NTREX = SHARED / "data" / "multilingual" / "ntrex128"
 
@@ -50,11 +50,6 @@ def _pairs(items) -> dict[str, str]:
             raise SystemExit(f"expected SOURCE=PATH, got {it!r}")
         out[k] = v
     return out
-
-
-def _cli(*args: str) -> None:
-    exe = Path(sys.executable).with_name("edgeprune")
-    subprocess.run([str(exe), *args], check=True)
 
 
 def records_from_eval(source: str, ev: dict) -> list[dict]:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import benchlib
 from benchlib import SHARED
+from benchlib import edgeprune_cli as _cli
 
 TASKS = ("piqa", "arc_easy", "hellaswag")
 #: case -> (ours side, reference side, peer label)
@@ -42,10 +43,6 @@ CASES = {"dense/torch_vs_lm_eval_hf": ("dense_torch", "lmeval_hf", "lm-eval hf")
          "dense/onnx_fp32_vs_torch": ("dense_onnx", "dense_torch", "ours PyTorch"),
          "rtn4/int4_vs_fake_quant": ("rtn4_onnx", "rtn4_torch", "ours PyTorch fake-quant"),
          "rtn4/int4_exact_vs_fake_quant": ("rtn4x_onnx", "rtn4_torch", "ours PyTorch fake-quant")}
-
-
-def _cli(*args: str) -> None:
-    subprocess.run([str(Path(sys.executable).with_name("edgeprune")), *args], check=True)
 
 
 def _ours(path: Path) -> dict:
