@@ -560,16 +560,19 @@ def onnx_bits(folder: Path) -> dict:
     node but the head's) and the head apart: ``bits_per_weight`` with 16-bit scales (and
     ``bits``-bit zero points), the accounting of ``QuantizedWeight.bits_per_weight`` and
     llama.cpp's fp16 block scales; ``stored_bits_per_weight`` as the file holds them
-    (float32 scales in a float32 graph, packed zero points, act-order indices). Plus the
+    (float16 scales where the quantizer's are float16 values, else float32 in a float32
+    graph; packed zero points, act-order indices). Plus the
     head record of ``edgeprune.json`` and the weight files' size."""
     import onnx
 
     folder = Path(folder)
     proto = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     inits = {t.name: t for t in proto.graph.initializer}
+    # float16 scales stored behind a Cast (exporters.graph.GraphBuilder.scales)
+    cast_of = {n.output[0]: n.input[0] for n in proto.graph.node if n.op_type == "Cast"}
 
     def nbytes(name):
-        t = inits.get(name)
+        t = inits.get(cast_of.get(name, name))
         if t is None:
             return 0
         n = 1
@@ -724,7 +727,7 @@ def quality_report(model: str, cp: str, variants, quants, ppl: dict, sizes: dict
         if sz.get("head"):
             h = sz["head"]
             print(f"ours {v}: head {h.get('mode')} ({h.get('storage')}), embedding {h.get('embedding')}"
-                  f"; stored with float32 scales: linears {fmt(sz.get('stored_bits_per_weight'), '.3f')}, "
+                  f"; as stored: linears {fmt(sz.get('stored_bits_per_weight'), '.3f')}, "
                   f"head {fmt(sz.get('head_stored_bits_per_weight'), '.3f')} bits/weight")
     for q in quants:
         if (sizes.get(q) or {}).get("head_type"):

@@ -9,6 +9,10 @@ Conventions (the GPTQ reference code's, which ``compressed-tensors`` and ONNX Ru
   ``zero = round(-xmin / scale)`` (an integer in ``[0, maxq]``).
 * symmetric (``sym=True``): ``xmax = max|w|``, ``scale = 2 * xmax / maxq``,
   ``zero = 2**(bits-1)`` (8 for int4; MatMulNBits' default zero point).
+* ``scale`` is rounded to the nearest float16 (:func:`round_scale`), the dtype GGUF,
+  ``compressed-tensors`` and fp16 ``MatMulNBits`` store scales in, *before* the codes and
+  the zero point are computed: an export that stores 16-bit scales then computes exactly
+  what the quantizer measured, at 16 scale bits per group (llama.cpp's accounting).
 * ``codes = clamp(round(w / scale) + zero, 0, maxq)``;
   ``w_hat = (codes - zero) * scale``.
 
@@ -71,6 +75,21 @@ def check_quant_args(bits: int, group_size: int, in_features: Optional[int] = No
     return group_size
 
 
+def round_scale(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` rounded to the nearest float16 value (round half to even), kept as its
+    dtype; an entry that float16 cannot hold (overflow, or a positive value that rounds
+    to 0) stays as it is, so an export stores that layer's scales in 32 bits instead.
+
+    Args:
+        scale: float tensor of any shape (positive scales).
+
+    Returns:
+        A tensor of ``scale``'s shape and dtype. Differentiable (the cast's gradient).
+    """
+    h = scale.to(torch.float16).to(scale.dtype)
+    return torch.where(torch.isfinite(h) & (h > 0), h, scale)
+
+
 def qparams(w: torch.Tensor, bits: int, sym: bool, clip: float | torch.Tensor = 1.0
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and integer zero point of each row of ``w`` (one group per row).
@@ -83,18 +102,19 @@ def qparams(w: torch.Tensor, bits: int, sym: bool, clip: float | torch.Tensor = 
             as in AWQ's clipping search.
 
     Returns:
-        ``(scale [rows, 1] float32, zero [rows, 1] float32 holding integers)``.
-        A row of zeros gets scale 1 so nothing divides by zero.
+        ``(scale [rows, 1] float32, zero [rows, 1] float32 holding integers)``; the scale
+        float16-representable (:func:`round_scale`). A row of zeros gets scale 1 so
+        nothing divides by zero.
     """
     maxq = 2 ** bits - 1
     w = w.float()
     if sym:
-        scale = w.abs().amax(dim=1, keepdim=True).mul_(clip).mul_(2).div_(maxq)
+        scale = round_scale(w.abs().amax(dim=1, keepdim=True).mul_(clip).mul_(2).div_(maxq))
         zero = torch.full_like(scale, float(2 ** (bits - 1)))
     else:
         xmin, xmax = torch.aminmax(w, dim=1, keepdim=True)  # one pass over the weights
         xmin = xmin.clamp_(max=0).mul_(clip)
-        scale = xmax.clamp_(min=0).mul_(clip).sub_(xmin).div_(maxq)
+        scale = round_scale(xmax.clamp_(min=0).mul_(clip).sub_(xmin).div_(maxq))
         zero = torch.round(-xmin / torch.where(scale > 0, scale, torch.ones_like(scale)))
     bad = ~(scale > 0) | ~torch.isfinite(scale)
     scale = torch.where(bad, torch.ones_like(scale), scale)
@@ -226,5 +246,5 @@ def rtn_quantize(w: torch.Tensor, bits: int = 4, group_size: int = DEFAULT_GROUP
                            group_size=gs, sym=sym)
 
 
-__all__ = ["QuantizedWeight", "check_quant_args", "qparams", "quantize_codes",
+__all__ = ["QuantizedWeight", "check_quant_args", "qparams", "round_scale", "quantize_codes",
            "fake_quantize", "rtn_quantize", "SUPPORTED_BITS", "DEFAULT_GROUP_SIZE"]

@@ -98,7 +98,7 @@ class EmbeddingHeadMixin:
             w = self._head_int
             B, sc, zp = pack_matmulnbits(w)
             self._head_tensors = (g.initializer("lm_head.qweight", B),
-                                  g.initializer("lm_head.scales", sc.astype(self.fdtype)),
+                                  g.scales("lm_head.scales", sc, self.fdtype),
                                   None if default_zero_points(w) else
                                   g.initializer("lm_head.qzeros", zp))
             return self._gather_quantized(w)
@@ -111,7 +111,7 @@ class EmbeddingHeadMixin:
             B, sc, _ = pack_matmulnbits(ew)
             self._head_tensors = None
             return self._gather_quantized(ew, (g.initializer("embed_tokens.qweight", B),
-                                               g.initializer("embed_tokens.scales", sc.astype(self.fdtype)),
+                                               g.scales("embed_tokens.scales", sc, self.fdtype),
                                                g.initializer("embed_tokens.qzeros", ew.zeros)),
                                           packed_zeros=False)
         if tied and self._head_int is not None:

@@ -82,6 +82,24 @@ class GraphBuilder:
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
+    def scales(self, name: str, array: np.ndarray, dtype) -> str:
+        """A quantized weight's scales as a tensor of the graph's float ``dtype``.
+
+        Stored in float16 behind a ``Cast`` when ``dtype`` is float32 and every value is a
+        float16 value (the quantizers round their scales so: ``edgeprune.quantize.round_scale``):
+        lossless, 16 instead of 32 scale bits per group in the file (a 64-wide group: 4.31
+        instead of 4.56 bits per int4 weight), and onnxruntime folds the ``Cast`` into a
+        float32 initializer when it builds the session, so the compute is unchanged.
+        Otherwise stored as ``dtype``. Returns the name to wire into the consumer.
+        """
+        from .int4 import fp16_exact
+
+        arr = np.ascontiguousarray(array, np.float32)
+        if np.dtype(dtype) == np.float32 and fp16_exact(arr):
+            h = self.initializer(name + "_fp16", arr.astype(np.float16))
+            return self.node("Cast", [h], name=name + "/to_float", to=TensorProto.FLOAT)
+        return self.initializer(name, arr.astype(dtype))
+
     def const(self, values, dtype=np.int64, name: str = "const") -> str:
         """A small constant initializer, de-duplicated by value."""
         arr = np.asarray(values, dtype=dtype)

@@ -148,6 +148,23 @@ def q8_head_block(K: int) -> int:
     return next((b for b in (128, 64) if K % b == 0), 32)
 
 
+def round_scale(scale: np.ndarray) -> np.ndarray:
+    """``float32 scale`` rounded to the nearest float16 (half to even), where float16 holds
+    it (finite, above 0): ``edgeprune.quantize.round_scale``, bit for bit."""
+    scale = np.asarray(scale, np.float32)
+    with np.errstate(over="ignore"):
+        h = scale.astype(np.float16).astype(np.float32)
+    return np.where(np.isfinite(h) & (h > 0), h, scale)
+
+
+def fp16_exact(a: np.ndarray) -> bool:
+    """True when every entry of ``a`` (float32) is a float16 value: storing it in 16 bits
+    loses nothing."""
+    a = np.asarray(a, np.float32)
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(a.astype(np.float16).astype(np.float32), a))
+
+
 def rtn_int(w: np.ndarray, bits: int = 4, group_size: int = DEFAULT_GROUP_SIZE,
             sym: bool = False) -> IntWeight:
     """Round-to-nearest group-wise quantization of ``w float [N, K]`` (numpy).
@@ -172,12 +189,12 @@ def rtn_int(w: np.ndarray, bits: int = 4, group_size: int = DEFAULT_GROUP_SIZE,
     if K % group_size:  # the padded tail must not widen the range: reuse a real value
         g[:, -1, K % group_size:] = g[:, -1, :1]
     if sym:
-        scale = 2 * np.abs(g).max(-1) / maxq
+        scale = round_scale(2 * np.abs(g).max(-1) / maxq)
         zero = np.full_like(scale, 2 ** (bits - 1))
     else:
         xmin = np.minimum(g.min(-1), 0)
         xmax = np.maximum(g.max(-1), 0)
-        scale = (xmax - xmin) / maxq
+        scale = round_scale((xmax - xmin) / maxq)
         zero = np.round(-xmin / np.where(scale > 0, scale, 1))
     bad = ~(scale > 0)
     scale = np.where(bad, 1.0, scale).astype(np.float32)
@@ -248,5 +265,5 @@ def can_fuse(parts: list[IntWeight]) -> bool:
     return True
 
 
-__all__ = ["IntWeight", "from_quantized", "rtn_int", "pack_uint4", "pack_matmulnbits", "concat_n",
+__all__ = ["IntWeight", "from_quantized", "rtn_int", "round_scale", "fp16_exact", "pack_uint4", "pack_matmulnbits", "concat_n",
            "can_fuse", "default_zero_points", "DEFAULT_GROUP_SIZE"]

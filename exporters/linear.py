@@ -166,7 +166,7 @@ class LinearMixin:
         if self.fused:
             B, sc, zp = pack_matmulnbits(w)
             ins = [x, g.initializer(name + ".qweight", B),
-                   g.initializer(name + ".scales", sc.astype(self.fdtype))]
+                   g.scales(name + ".scales", sc, self.fdtype)]
             if not default_zero_points(w):     # symmetric grids use the op's default
                 ins.append(g.initializer(name + ".qzeros", zp))
             return g.node("MatMulNBits", ins,

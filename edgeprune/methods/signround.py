@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..quantize import QuantizedWeight, check_quant_args
+from ..quantize import QuantizedWeight, check_quant_args, round_scale
 from .base import LayerResult, LayerTask, Method
 from .config import QuantOptions
 from .registry import register_method
@@ -140,11 +140,11 @@ def signround_grid(wmin: torch.Tensor, wmax: torch.Tensor, alpha, beta, bits: in
     """
     maxq = 2 ** bits - 1
     if sym:
-        scale = torch.maximum(-wmin * alpha, wmax * beta) * 2 / maxq
+        scale = round_scale(torch.maximum(-wmin * alpha, wmax * beta) * 2 / maxq)
         zero = torch.full_like(scale, float(2 ** (bits - 1)))
     else:
         xmin = wmin * alpha
-        scale = (wmax * beta - xmin) / maxq
+        scale = round_scale((wmax * beta - xmin) / maxq)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         zero = (_round_ste if ste else torch.round)(-xmin / safe)
     bad = ~(scale > 0) | ~torch.isfinite(scale)

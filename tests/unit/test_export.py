@@ -123,6 +123,46 @@ def test_int4_checkpoint_codes_parity(arch, graph, tok, tmp_path, request):
     assert np.abs(got - ref).max() < 0.2
 
 
+def test_int4_scales_stored_in_float16_when_lossless(tiny_llama, tok, tmp_path):
+    """A fused int4 export stores each ``MatMulNBits``' scales as a float16 initializer
+    behind a ``Cast`` (the quantizer's scales are float16 values), onnxruntime folds the
+    ``Cast`` away, and the logits equal those of the same scales stored in float32; a
+    layer whose scales float16 cannot hold keeps float32 scales."""
+    import onnx
+    import onnxruntime as ort
+
+    model = tiny_llama
+    qmap = _rtn_map(model)
+    name = next(n for n in qmap if n.endswith("layers.0.self_attn.o_proj"))
+    ids = rand_ids(32, seed=2)
+    _export(model, tok, tmp_path / "h", precision="int4", quantized=qmap, accuracy_level=0, lm_head="fp")
+    proto = onnx.load(str(tmp_path / "h" / "model.onnx"))
+    inits = {t.name: t for t in proto.graph.initializer}
+    casts = {n.output[0]: n.input[0] for n in proto.graph.node if n.op_type == "Cast"}
+    nbits = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 8                      # per layer: qkv, o, gate+up, down
+    for n in nbits:
+        assert inits[casts[n.input[2]]].data_type == onnx.TensorProto.FLOAT16, n.name
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    ort.InferenceSession(str(tmp_path / "h" / "model.onnx"), so, providers=["CPUExecutionProvider"])
+    opt = onnx.load(str(tmp_path / "opt.onnx"), load_external_data=False)
+    feeds = {o for n in opt.graph.node if n.op_type == "MatMulNBits" for o in n.input[2:3]}
+    assert not [n for n in opt.graph.node if n.op_type == "Cast" and n.output[0] in feeds]
+    # one layer's scales nudged off the float16 grid: that layer alone stays float32
+    qmap2 = dict(qmap)
+    qw = qmap[name]
+    qmap2[name] = type(qw)(codes=qw.codes, scales=qw.scales * (1 + 2 ** -20), zeros=qw.zeros, bits=qw.bits,
+                           group_size=qw.group_size, sym=qw.sym)
+    _export(model, tok, tmp_path / "f", precision="int4", quantized=qmap2, accuracy_level=0, lm_head="fp")
+    proto = onnx.load(str(tmp_path / "f" / "model.onnx"))
+    fp32 = [n.name for n in proto.graph.node if n.op_type == "MatMulNBits"
+            and n.input[2] in {t.name for t in proto.graph.initializer}]
+    assert fp32 == ["layers.0.attn.o_proj/MatMulNBits"], fp32
+    with runtime.load(tmp_path / "h") as a, runtime.load(tmp_path / "f") as b:
+        np.testing.assert_allclose(a.logits(ids), b.logits(ids), atol=1e-4)
+
+
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
 def test_symmetric_codes_export_without_zero_points(arch, tok, tmp_path, request):
     """Symmetric grids (every zero point 2**(bits-1), MatMulNBits' default) are written
@@ -320,7 +360,11 @@ def test_int4_lm_head_modes_and_tied_sharing(tok, tmp_path):
     assert cost["cost_pct"] == pytest.approx(
         100 * (cost["window_ppl_int4_head"] / cost["window_ppl_int8_head"] - 1))
     assert "lm_head_int4_ppl_cost" not in r8.parity
-    assert r4.model_bytes < r8.model_bytes
+    def table_bytes(folder):            # the head's tensors (the whole file is page-padded)
+        m = onnx.load(str(folder / "model.onnx"))
+        return sum(onnx.numpy_helper.to_array(t).nbytes for t in m.graph.initializer
+                   if t.name.startswith(("lm_head.", "embed_tokens.")))
+    assert table_bytes(tmp_path / "i4") < 0.75 * table_bytes(tmp_path / "q8")
     # a symmetric 4-bit head from the quantizer: no zero points stored, by the head or by
     # the embedding gather that shares its table, and still exact at accuracy level 0
     from edgeprune.quantize import rtn_quantize

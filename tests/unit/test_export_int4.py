@@ -88,3 +88,32 @@ def test_matmulnbits_packing_uses_the_packer():
     np.testing.assert_array_equal(B, int4.pack_uint4(full.reshape(5, 3, 32)))
     np.testing.assert_array_equal(zp, int4.pack_uint4(w.zeros).reshape(-1))
     np.testing.assert_array_equal(sc, w.scales.reshape(-1))
+
+
+@pytest.mark.parametrize("sym", [False, True])
+def test_scales_are_float16_values(sym):
+    """Every quantizer's grid rounds its scales to float16 before the codes: the scales
+    survive a float16 round trip unchanged, and the codes are those of the rounded scale."""
+    w = torch.from_numpy(_weights(6, 128, seed=11))
+    r = q.rtn_quantize(w, 4, 64, sym)
+    s = r.scales
+    assert torch.equal(s.half().float(), s)
+    assert int4.fp16_exact(int4.rtn_int(w.numpy(), 4, 64, sym).scales)
+    # the codes follow the rounded scale: recomputing with it changes nothing
+    z = r.zeros.float()
+    for g in range(2):
+        wg = w[:, g * 64:(g + 1) * 64]
+        want = q.quantize_codes(wg, s[:, g:g + 1], z[:, g:g + 1], 4).to(torch.uint8)
+        assert torch.equal(r.codes[:, g * 64:(g + 1) * 64], want)
+
+
+def test_round_scale_keeps_what_float16_cannot_hold():
+    """Overflow (> 65504) and values that round to 0 keep their float32 value (the export
+    then stores that layer's scales in 32 bits); others round half to even."""
+    s = torch.tensor([1e5, 1e-9, 0.1, 3.0, 1.0 + 2 ** -12])
+    out = q.round_scale(s)
+    assert out[0] == 1e5 and out[1] == torch.tensor(1e-9)
+    assert out[2] == torch.tensor(0.1).half().float() and out[3] == 3.0
+    assert out[4] == 1.0                                   # a tie: to even
+    np.testing.assert_array_equal(int4.round_scale(s.numpy()), out.numpy())
+    assert not int4.fp16_exact(np.array([0.1], np.float32)) and int4.fp16_exact(np.array([0.5], np.float32))

@@ -189,4 +189,6 @@ def test_onnxruntime_genai_int4_agrees_with_ours(genai_python, tiny_llama, tok, 
     diff = float(np.max(np.abs(np.asarray(theirs["first_logits"]) - first)))
     assert diff < 0.05, diff
     agree = next((i for i, (a, b) in enumerate(zip(theirs["tokens"], ours)) if a != b), len(ours))
-    assert agree >= 32, (agree, theirs["tokens"], ours)
+    # both may stop at the same end-of-sequence token before 32 (then they agree throughout)
+    assert agree >= min(32, len(ours)) and (agree >= 32 or len(theirs["tokens"]) == len(ours)), \
+        (agree, theirs["tokens"], ours)
