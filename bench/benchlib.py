@@ -362,13 +362,13 @@ OURS_VARIANTS = {
     # GPTQ int4 g64 asym (static act-order, best-w4's 4-bit stage, every decoder linear),
     # calibrated on 32 x 512 C4 validation windows (seed 0): 4.3125 bits/weight
     "gptq-g64": "GPTQ int4 g64 asym (act-order, static groups), C4 32x512 calibration",
-    # group 128: 4.15625 bits/weight with 16-bit scales, 4.28125 as a float32 graph stores
-    # them (float32 scales, packed 4-bit zero points): under the 4.5 bound as stored too
-    "rtn-g128": "data-free RTN int4 g128 asym, no calibration (4.28 bits/weight as stored)",
+    # group 128: 4.15625 bits/weight (16-bit scales: exports store the quantizers' float16
+    # scales as float16 since 2026-12-04; 4.28 with the float32 scales stored before)
+    "rtn-g128": "data-free RTN int4 g128 asym, no calibration (4.16 bits/weight)",
     "gptq-g128": "GPTQ int4 g128 asym (act-order, static groups), C4 32x512 calibration",
-    # symmetric RTN g64: no zero points, so 4.5 bits/weight as a float32 graph stores it
-    # (float32 scales), 4.25 with 16-bit scales
-    "rtn-g64-sym": "data-free RTN int4 g64 sym, no calibration (4.5 bits/weight as stored)",
+    # symmetric RTN g64: no zero points, 4.25 bits/weight (16-bit scales; 4.5 with the
+    # float32 scales exports stored before 2026-12-04)
+    "rtn-g64-sym": "data-free RTN int4 g64 sym, no calibration (4.25 bits/weight)",
     # rtn-g64 with an int4 head (block 32 asym) instead of the 8-bit one: for a tied
     # 262k-row table (Gemma 3) the head is most of the resident memory
     "rtn-g64-h4": "data-free RTN int4 g64 asym, int4 head (block 32 asym)",

@@ -48,6 +48,12 @@ Usage::
     .venv/bin/python bench/compare_methods.py --json bench/results/compare_methods.json
     .venv/bin/python bench/compare_methods.py --quick --json bench/results/compare_methods.json
     .venv/bin/python bench/compare_methods.py --cases gptq_w4g64,signround_w4g64 --json bench/results/signround.json
+    .venv/bin/python bench/compare_methods.py --model qwen2.5-coder-0.5b --group-size 128 \
+        --cases gptq_w4g128,sparsegpt_50 --json bench/results/compare_methods_qwen2.5-coder-0.5b.json
+
+``--model ALIAS`` runs the same cases on another model (its dense weights saved for the
+peer as ``bench/.cache/ALIAS-fp32``), ``--group-size`` sets both sides' groups (the cases
+are named by it); peer results are cached per model and group size.
 
 ``--quick``: dense, RTN, GPTQ and Wanda only, 8 x 512 calibration windows, 10 evaluation
 windows: ours and the peer's compressions plus 7 perplexity passes, several minutes on 2
@@ -136,7 +142,12 @@ def _peer_name(method) -> str:
     return "auto-round" if method == AUTOROUND else PEER
 
 
-QUICK_CASES = ("dense", "rtn_w4g64", "gptq_w4g64", "wanda_50")
+def quick_cases(group_size: int = 64) -> tuple:
+    """The ``--quick`` set at ``group_size``."""
+    return ("dense", f"rtn_w4g{group_size}", f"gptq_w4g{group_size}", "wanda_50")
+
+
+QUICK_CASES = quick_cases()
 
 
 def _ppl(model, tok, nwindows: int) -> float:
@@ -144,12 +155,12 @@ def _ppl(model, tok, nwindows: int) -> float:
     return float(perplexity(model, tok, WIKI, seqlen=512, nwindows=nwindows, progress=False).ppl)
 
 
-def _dense_folder(model, tok) -> Path:
+def _dense_folder(model, tok, alias: str = benchlib.SMOLLM2) -> Path:
     """The fp32 model as an HF folder for the peer (written once, atomically)."""
-    out = CACHE / "smollm2-135m-fp32"
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+    out = CACHE / f"{alias}-fp32"
+    if (out / "config.json").exists() and any(out.glob("model*.safetensors")):
         return out
-    tmp = CACHE / f".smollm2-135m-fp32.tmp-{os.getpid()}"
+    tmp = CACHE / f".{alias}-fp32.tmp-{os.getpid()}"
     model.save_pretrained(str(tmp))
     tok.save_pretrained(str(tmp))
     os.replace(tmp, out)
@@ -157,13 +168,15 @@ def _dense_folder(model, tok) -> Path:
 
 
 def _peer_run(method: str, model_dir: Path, calib_path: Path, key: str, nwindows: int, tok,
-              fresh: bool, timeout: float, log: Path) -> dict:
+              fresh: bool, timeout: float, log: Path, alias: str = benchlib.SMOLLM2,
+              group_size: int = 64) -> dict:
     """Run llm-compressor or AutoRound (or reuse its cached result):
-    {"ppl", "seconds", "error", "note"}."""
+    {"ppl", "seconds", "error", "note"}. SmolLM2 at group 64 keeps its cache names."""
     cdir = CACHE / "peers"
     cdir.mkdir(parents=True, exist_ok=True)
     sched = "-".join(f"{k}{v}" for k, v in SIGNROUND.items()) if method == AUTOROUND else ""
-    cfile = cdir / f"{method}{sched and '-' + sched}-{key}-w{nwindows}.json"
+    tag = "" if (alias, group_size) == (benchlib.SMOLLM2, 64) else f"-{alias}-g{group_size}"
+    cfile = cdir / f"{method}{sched and '-' + sched}{tag}-{key}-w{nwindows}.json"
     if cfile.exists() and not fresh:
         rec = json.loads(cfile.read_text())
         rec["note"] = f"cached {rec.get('when', '?')} ({cfile.name})"
@@ -184,7 +197,7 @@ def _peer_run(method: str, model_dir: Path, calib_path: Path, key: str, nwindows
         args = [benchlib.BENCH / "_autoround_worker.py", "--iters", SIGNROUND["iters"],
                 "--lr", SIGNROUND["lr"], "--batch-size", SIGNROUND["batch_size"]]
     else:
-        args = [benchlib.BENCH / "_llmc_worker.py", "--method", method]
+        args = [benchlib.BENCH / "_llmc_worker.py", "--method", method, "--group-size", group_size]
     r = benchlib.run_peer(py, args + ["--model", model_dir, "--calib", calib_path, "--out", out,
                                       "--result", res_file], timeout=timeout, log=log)
     res = json.loads(res_file.read_text()) if res_file.exists() else {
@@ -241,6 +254,12 @@ def main(argv=None) -> int:
     ap.add_argument("--signround-iters", type=int, default=None,
                     help=f"signed-gradient steps per block for signround_w4g64 and AutoRound alike "
                          f"(default {SIGNROUND['iters']}, the fast schedule)")
+    ap.add_argument("--model", default=benchlib.SMOLLM2, metavar="ALIAS",
+                    help="an edgeprune.load_model alias (default %(default)s; e.g. qwen2.5-coder-0.5b); "
+                         "other models' cases start with 'ALIAS/'")
+    ap.add_argument("--group-size", type=int, default=64,
+                    help="the quantizers' group size on both sides (cases are named by it, e.g. "
+                         "gptq_w4g128)")
     a = ap.parse_args(argv)
     if a.signround_iters is not None:
         if a.signround_iters < 0:
@@ -258,27 +277,30 @@ def main(argv=None) -> int:
     console = Console(width=170)
     CACHE.mkdir(parents=True, exist_ok=True)
     log = CACHE / "compare_methods.peer.log"
-    all_cases = cases()
-    wanted = (a.cases.split(",") if a.cases else (QUICK_CASES if a.quick else [c[0] for c in all_cases]))
+    all_cases = cases(a.group_size)
+    wanted = (a.cases.split(",") if a.cases else (quick_cases(a.group_size) if a.quick else [c[0] for c in all_cases]))
     unknown = set(wanted) - {c[0] for c in all_cases}
     if unknown:
         ap.error(f"unknown cases {sorted(unknown)}; known: {[c[0] for c in all_cases]}")
 
-    base, tok = load_model("smollm2-135m")
+    base, tok = load_model(a.model)
+    smol = a.model == benchlib.SMOLLM2
+    prefix = "" if smol else f"{a.model}/"
     calib = build_calibration(tok, C4, nsamples=nsamples, seqlen=a.seqlen, seed=a.seed)
     ids = calib.input_ids
     key = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:12]
     calib_path = CACHE / f"calib-{key}.npy"
     np.save(calib_path, ids.numpy())
-    model_dir = None if a.no_peer else _dense_folder(base, tok)
+    model_dir = None if a.no_peer else _dense_folder(base, tok, a.model)
     console.print(f"calibration: {calib.info['source']} {nsamples}x{a.seqlen} seed {a.seed} (sha {key}); "
                   f"eval: WikiText-2 test {nwindows}x512; threads {torch.get_num_threads()}; "
                   f"signround/autoround schedule {SIGNROUND}")
 
     records, rows = [], []
-    for name, factory, peer_method in all_cases:
-        if name not in wanted:
+    for bare, factory, peer_method in all_cases:
+        if bare not in wanted:
             continue
+        name = prefix + bare
         ours_ppl = ours_s = None
         err = None
         if factory is None:
@@ -302,7 +324,7 @@ def main(argv=None) -> int:
         peer = {"ppl": None, "seconds": None, "error": None}
         if peer_method and not a.no_peer:
             peer = _peer_run(peer_method, model_dir, calib_path, key, nwindows, tok, a.fresh_peers,
-                             a.peer_timeout, log)
+                             a.peer_timeout, log, a.model, a.group_size)
         note = "; ".join(x for x in (err, peer.get("error") and f"{_peer_name(peer_method)}: {peer['error']}",
                                      peer.get("note")) if x)
         has_peer = bool(peer_method) and not a.no_peer
@@ -328,7 +350,7 @@ def main(argv=None) -> int:
     def f(x, fmt="{:.2f}"):
         return "—" if x is None else fmt.format(x)
 
-    t = Table(title=f"edgeprune vs {PEER} / auto-round — SmolLM2-135M, calib C4 {nsamples}x{a.seqlen}, "
+    t = Table(title=f"edgeprune vs {PEER} / auto-round — {a.model}, calib C4 {nsamples}x{a.seqlen}, "
                     f"WikiText-2 {nwindows}x512 (seconds: shared 2-core machine, noisy)")
     for col in ("case", "peer", "ppl ours", "ppl theirs", "ppl ratio", "s ours", "s theirs", "s ratio", "ok", "note"):
         t.add_column(col)

@@ -18,6 +18,16 @@ tokens/s (127 steps after the first token), time to first token, peak RSS (the k
 size; medians over ``--repeat`` runs, ratios ours/theirs.
 
     python bench/compare_runtimes.py --quick --json bench/results/compare_runtimes.json
+    python bench/compare_runtimes.py --model qwen2.5-coder-0.5b --json bench/results/compare_runtimes_qwen2.5-coder-0.5b.json
+
+``--model ALIAS`` (Qwen2.5-Coder-0.5B, Gemma-3-270M): ours is that family's export
+``--variant`` (default ``rtn-g64``, the data-free RTN int4 g64 asym that
+``compare_llamacpp.py`` measures, shared through ``bench/.cache``), theirs the builder's int4
+of the same dequantized weights; cases start with ``ALIAS/``. ``--ppl-windows N`` (default
+40, quick 4, 0 = skip) adds WikiText-2 perplexity of both int4 models on the same
+512-token windows (no BOS, ``compare_llamacpp``'s protocol): ours through the runtime,
+theirs by running the builder's ``model.onnx`` in a plain onnxruntime session (the graph
+onnxruntime-genai runs; one pass per window from an empty cache), metric ``wikitext2_ppl``.
 
 ``--quick``: 2 repeats, and the ``int4-t*`` cases only when a current ``default`` export
 is already cached (building it takes 30+ min); the two data-free RTN exports take 1-3 min
@@ -105,6 +115,46 @@ def worker_genai(folder: str, threads: int, ids: list[int], new: int) -> dict:
             "n_tokens": len(out), "peak_rss_bytes": _vm_hwm(), "tokens": out[:16]}
 
 
+def worker_genai_ppl(folder: str, windows_json: str, threads: int) -> dict:
+    """Perplexity of the builder's int4 model on ``windows_json`` (lists of token ids):
+    its ``genai_config.json`` decoder file in an onnxruntime session, each window one pass
+    from an empty KV cache (the same graph and kernels onnxruntime-genai runs). Runs in the
+    peer's venv (onnxruntime + numpy only)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    cfg = json.loads((Path(folder) / "genai_config.json").read_text())["model"]
+    dec = cfg["decoder"]
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads = int(threads), 1
+    sess = ort.InferenceSession(str(Path(folder) / dec["filename"]), so, providers=["CPUExecutionProvider"])
+    kv, hd = int(dec["num_key_value_heads"]), int(dec["head_size"])
+    np_type = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
+               "tensor(float16)": np.float16}
+    ins = {i.name: np_type.get(i.type, np.float32) for i in sess.get_inputs()}
+    out_name = next(o.name for o in sess.get_outputs() if o.name == "logits")
+
+    def logits(w):
+        n = len(w)
+        feed = {}
+        for name, dt in ins.items():
+            if name == "input_ids":
+                feed[name] = np.asarray([w], dt)
+            elif name == "attention_mask":
+                feed[name] = np.ones((1, n), dt)
+            elif name == "position_ids":
+                feed[name] = np.arange(n, dtype=dt)[None]
+            elif name.startswith("past_key_values"):
+                feed[name] = np.zeros((1, kv, 0, hd), dt)
+            else:
+                raise RuntimeError(f"unknown input {name} of the builder's model")
+        return sess.run([out_name], feed)[0][0].astype(np.float32)
+
+    windows = json.loads(Path(windows_json).read_text())
+    import compare_llamacpp as cl            # numpy-only helper, no project imports
+    return cl._nll_of_windows(logits, windows)
+
+
 # ----------------------------------------------------------------------------- driver
 def _run_worker(py: Path, impl: str, folder: Path, threads: int, prompt: Path, new: int,
                 timeout: float = 600) -> dict:
@@ -132,6 +182,87 @@ def _run_worker(py: Path, impl: str, folder: Path, threads: int, prompt: Path, n
     rec = json.loads(lines[-1])
     rec["psutil_peak_rss_bytes"] = sampled
     return rec
+
+
+def _build_theirs(info: dict, hf: Path, theirs: Path, work: Path, log, rebuild: bool) -> None:
+    """The peer's venv and its int4 model of the HF folder ``hf`` into ``theirs``
+    (``info["genai_py"]``, ``info["theirs"]``; a failure goes to ``info["errors"]``)."""
+    try:
+        py = benchlib.ensure_peer("ortgenai", log=work / "venv-ortgenai.log")
+        info["genai_py"] = py
+        if rebuild or not (theirs / "model.onnx").exists():
+            shutil.rmtree(theirs, ignore_errors=True)
+            t = time.perf_counter()
+            r = subprocess.run([str(py), "-m", "onnxruntime_genai.models.builder", "-i", str(hf),
+                                "-o", str(theirs), "-p", "int4", "-e", "cpu", "-c",
+                                str(work / "genai-cache")], capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"builder failed: {(r.stderr or r.stdout)[-1500:]}")
+            log(f"theirs: built in {time.perf_counter() - t:.1f}s")
+        info["theirs"] = theirs
+    except Exception as e:  # noqa: BLE001  (record the peer failure)
+        info["errors"][PEER] = str(e)
+        log(f"peer {PEER} unavailable: {e}")
+
+
+def _prepare_family(model: str, variant: str, work: Path, log, rebuild: bool) -> dict:
+    """Another family's side by side: our cached export ``variant`` of ``model``
+    (``benchlib.ensure_ours``, shared with ``compare_llamacpp.py``), the dense weights
+    saved as an HF folder for the peer's builder, theirs, the prompt."""
+    info: dict = {"errors": {}}
+    folder = benchlib.ours_folder(variant, model)
+    err = benchlib.ensure_ours(folder, log, variant, model)
+    if err:
+        info["errors"]["ours"] = err
+    else:
+        info["ours"] = folder
+    hf, theirs, prompt = work / "hf-fp32", work / "genai-int4", work / "prompt.json"
+    if rebuild or not (hf / "config.json").exists() or not prompt.exists():
+        from edgeprune.models import load_model
+        m, tok = load_model(model)
+        if rebuild or not (hf / "config.json").exists():
+            tmp = hf.with_name(hf.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            m.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            shutil.rmtree(hf, ignore_errors=True)
+            tmp.rename(hf)
+        ids = tok(benchlib.WIKI.read_text()[:20000], add_special_tokens=False)["input_ids"]
+        prompt.write_text(json.dumps(ids[1000:1000 + PROMPT_LEN]))
+        del m
+    _build_theirs(info, hf, theirs, work, log, rebuild)
+    info["prompt"] = prompt
+    return info
+
+
+def quality_genai(info: dict, model: str, nwin: int, threads: int, log) -> list[dict]:
+    """WikiText-2 perplexity of ours and theirs on the same ``nwin`` windows of 512 tokens
+    (our export's tokenizer; no BOS): records ``wikitext2_ppl`` per side."""
+    from tokenizers import Tokenizer
+
+    import compare_llamacpp as cl
+    case = f"{model}/int4-ppl"
+    if "ours" not in info:
+        return [benchlib.error_record(case, info["errors"].get("ours", "no export"), peer=PEER, side="ours")]
+    tk = Tokenizer.from_file(str(info["ours"] / "tokenizer.json"))
+    ids = tk.encode(benchlib.WIKI.read_text(), add_special_tokens=False).ids
+    wins = [ids[i * 512:(i + 1) * 512] for i in range(min(nwin, len(ids) // 512))]
+    wfile = benchlib.CACHE / f"{model}_wikitext_windows_{len(wins)}x512_runtimes.json"
+    wfile.write_text(json.dumps(wins))
+    ours = cl._spawn(sys.executable, "ppl_ours", [info["ours"], wfile, threads], 3 * 3600,
+                     script=str(Path(cl.__file__)))
+    theirs = ({"error": info["errors"].get(PEER, "no peer model")} if "theirs" not in info else
+              cl._spawn(str(info["genai_py"]), "genai_ppl", ["--folder", info["theirs"], "--prompt", wfile,
+                                                           "--threads", threads], 3 * 3600,
+                        script=__file__))
+    log(f"perplexity ({len(wins)} x 512): ours {ours.get('ppl', ours.get('error'))}, "
+        f"theirs {theirs.get('ppl', theirs.get('error'))}")
+    recs = [benchlib.record(case, "wikitext2_ppl", ours.get("ppl"), peer=PEER, theirs=theirs.get("ppl")),
+            benchlib.record(case, "ppl_windows", len(wins), peer=PEER, theirs=len(wins))]
+    for side, r in (("ours", ours), ("theirs", theirs)):
+        if "error" in r:
+            recs.append(benchlib.error_record(case, r["error"], peer=PEER, side=side))
+    return recs
 
 
 def _prepare(work: Path, log, rebuild: bool, quick: bool) -> dict:
@@ -180,23 +311,7 @@ def _prepare(work: Path, log, rebuild: bool, quick: bool) -> dict:
     else:
         log("quick: no current cached `default` export, so no int4-t* cases (building it takes "
             "30+ min: run once without --quick or bench/compare_llamacpp.py)")
-    # the peer: own venv + its model builder
-    try:
-        py = benchlib.ensure_peer("ortgenai", log=work / "venv-ortgenai.log")
-        info["genai_py"] = py
-        if rebuild or not (theirs / "model.onnx").exists():
-            shutil.rmtree(theirs, ignore_errors=True)
-            t = time.perf_counter()
-            r = subprocess.run([str(py), "-m", "onnxruntime_genai.models.builder", "-i", str(hf),
-                                "-o", str(theirs), "-p", "int4", "-e", "cpu", "-c",
-                                str(work / "genai-cache")], capture_output=True, text=True)
-            if r.returncode:
-                raise RuntimeError(f"builder failed: {(r.stderr or r.stdout)[-1500:]}")
-            log(f"theirs: built in {time.perf_counter() - t:.1f}s")
-        info["theirs"] = theirs
-    except Exception as e:  # noqa: BLE001  (record the peer failure)
-        info["errors"][PEER] = str(e)
-        log(f"peer {PEER} unavailable: {e}")
+    _build_theirs(info, hf, theirs, work, log, rebuild)    # the peer: own venv + its builder
     info["prompt"] = prompt
     return info
 
@@ -255,21 +370,36 @@ def main(argv=None) -> int:
     ap.add_argument("--rebuild", action="store_true")
     ap.add_argument("--quality", type=int, default=0, metavar="N",
                     help="also compare WikiText-2 perplexity on N windows vs PyTorch (slow)")
-    ap.add_argument("--worker", choices=["ours", "genai"], help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=benchlib.SMOLLM2, metavar="ALIAS",
+                    help="an edgeprune.load_model alias: smollm2-135m (default), qwen2.5-coder-0.5b, "
+                         "gemma3-270m")
+    ap.add_argument("--variant", default="rtn-g64",
+                    help="our export of the other models (benchlib.OURS_VARIANTS; default %(default)s)")
+    ap.add_argument("--ppl-windows", type=int, default=None,
+                    help="WikiText-2 512-token windows for both int4 models' perplexity (default 40 for "
+                         "the other models, quick 4, SmolLM2 0; 0 = skip)")
+    ap.add_argument("--worker", choices=["ours", "genai", "genai_ppl"], help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--prompt", help=argparse.SUPPRESS)
     ap.add_argument("--new", type=int, default=NEW_TOKENS, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.worker == "genai_ppl":
+        print(json.dumps(worker_genai_ppl(a.folder, a.prompt, a.threads[0])))
+        return 0
     if a.worker:
         ids = json.loads(Path(a.prompt).read_text())
         fn = worker_ours if a.worker == "ours" else worker_genai
         print(json.dumps(fn(a.folder, a.threads[0], ids, a.new)))
         return 0
 
+    smol = a.model == benchlib.SMOLLM2
+    if not smol and a.work == benchlib.CACHE / "compare_runtimes":
+        a.work = benchlib.CACHE / f"compare_runtimes-{a.model}"
     a.work.mkdir(parents=True, exist_ok=True)
     repeat = 2 if a.quick else a.repeat
     log = lambda m: print(f"[compare_runtimes] {m}", flush=True)  # noqa: E731
-    info = _prepare(a.work, log, a.rebuild, a.quick)
+    info = (_prepare(a.work, log, a.rebuild, a.quick) if smol else
+            _prepare_family(a.model, a.variant, a.work, log, a.rebuild))
     runs: dict = {}
     for t in a.threads:
         for rep in range(repeat):          # interleave ours/theirs to share the noise
@@ -277,12 +407,13 @@ def main(argv=None) -> int:
                 rd = _run_worker(Path(sys.executable), "ours", info["default"], t, info["prompt"],
                                  NEW_TOKENS)
                 runs.setdefault(("default", t), []).append(rd)
-            r = _run_worker(Path(sys.executable), "ours", info["ours"], t, info["prompt"],
-                            NEW_TOKENS)
+            r = (_run_worker(Path(sys.executable), "ours", info["ours"], t, info["prompt"], NEW_TOKENS)
+                 if "ours" in info else {"error": info["errors"].get("ours")})
             runs.setdefault(("ours", t), []).append(r)
-            r4 = _run_worker(Path(sys.executable), "ours", info["ours4"], t, info["prompt"],
-                             NEW_TOKENS)
-            runs.setdefault(("ours4", t), []).append(r4)
+            if "ours4" in info:
+                r4 = _run_worker(Path(sys.executable), "ours", info["ours4"], t, info["prompt"],
+                                 NEW_TOKENS)
+                runs.setdefault(("ours4", t), []).append(r4)
             if "theirs" in info:
                 r2 = _run_worker(info["genai_py"], "genai", _thread_folder(info["theirs"], t), t,
                                  info["prompt"], NEW_TOKENS)
@@ -300,7 +431,8 @@ def main(argv=None) -> int:
     records = []
     print(f"\n{'case':<18}{'metric':<14}{'ours':>10}{PEER:>20}{'ratio':>8}")
     impls = [i for i in ("default", "ours", "ours4") if i in info]
-    names = {"default": "int4", "ours": "int4-rtn-g32", "ours4": "int4-rtn-g32-lmhead4"}
+    names = ({"default": "int4", "ours": "int4-rtn-g32", "ours4": "int4-rtn-g32-lmhead4"} if smol else
+             {"ours": f"{a.model}/int4-{a.variant}"})
     for t, impl in [(t, i) for i in impls for t in a.threads]:
         case = f"{names[impl]}-t{t}"
         errs = [r["error"] for r in runs.get(("theirs", t), []) if "error" in r]
@@ -329,8 +461,15 @@ def main(argv=None) -> int:
         if len(same) == 2 and all(same):
             n = sum(x == y for x, y in zip(*same))
             print(f"{case:<18}first 16 greedy tokens equal: {n}/16 (different int4 grids)")
-    if a.quality:
+    if a.quality and smol:
         records += quality(info["ours"], a.quality, log)
+    nwin = a.ppl_windows if a.ppl_windows is not None else (0 if smol else 4 if a.quick else 40)
+    if nwin:
+        records += quality_genai(info, a.model if not smol else "smollm2-135m", nwin, max(a.threads), log)
+        for r in records[-2:]:
+            if r["metric"] == "wikitext2_ppl" and r["ours"] and r["theirs"]:
+                print(f"{r['case']:<18}wikitext2_ppl {r['ours']:.2f} vs {r['theirs']:.2f} "
+                      f"({r['ours'] / r['theirs']:.3f}x)")
     if a.json:
         benchlib.write_records(a.json, records)
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -192,3 +193,23 @@ def test_onnxruntime_genai_int4_agrees_with_ours(genai_python, tiny_llama, tok, 
     # both may stop at the same end-of-sequence token before 32 (then they agree throughout)
     assert agree >= min(32, len(ours)) and (agree >= 32 or len(theirs["tokens"]) == len(ours)), \
         (agree, theirs["tokens"], ours)
+
+
+def test_genai_perplexity_worker_matches_the_runtime(benchlib, tiny_llama, tok, tmp_path, monkeypatch):
+    """``compare_runtimes.worker_genai_ppl`` (the peer's model.onnx in a plain onnxruntime
+    session, empty KV cache, one pass per window) on our own GQA graph gives the
+    perplexity our runtime gives on the same windows: the scorer of the peer's int4
+    perplexity is the runtime's, to float rounding."""
+    from bench_modules import load_bench
+
+    cl = load_bench("compare_llamacpp")
+    monkeypatch.setitem(sys.modules, "compare_llamacpp", cl)     # the worker imports it by name
+    cr = load_bench("compare_runtimes")
+    f = _export(tiny_llama, tok, tmp_path / "m").folder
+    wfile = tmp_path / "windows.json"
+    wfile.write_text(json.dumps([rand_ids(48, seed=s)[0].tolist() for s in range(3)]))
+    theirs = cr.worker_genai_ppl(str(f), str(wfile), 1)
+    ours = cl.worker_ppl_ours(str(f), str(wfile), 1)
+    assert theirs["tokens"] == ours["tokens"] == 3 * 47
+    assert theirs["ppl"] == pytest.approx(ours["ppl"], rel=1e-5)
+    assert 50 < ours["ppl"] < 1000                       # a random 256-token model
