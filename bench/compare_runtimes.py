@@ -401,6 +401,7 @@ def main(argv=None) -> int:
     info = (_prepare(a.work, log, a.rebuild, a.quick) if smol else
             _prepare_family(a.model, a.variant, a.work, log, a.rebuild))
     runs: dict = {}
+    names_log = "rtn-g32" if smol else a.variant
     for t in a.threads:
         for rep in range(repeat):          # interleave ours/theirs to share the noise
             if "default" in info:
@@ -420,7 +421,7 @@ def main(argv=None) -> int:
                 runs.setdefault(("theirs", t), []).append(r2)
             log(f"t={t} rep {rep + 1}/{repeat}: ours "
                 f"{rd.get('decode_tok_s', rd.get('error')) if 'default' in info else '-'} (default), "
-                f"{r.get('decode_tok_s', r.get('error'))} (rtn-g32)"
+                f"{r.get('decode_tok_s', r.get('error'))} ({names_log})"
                 + (f", theirs {r2.get('decode_tok_s', r2.get('error'))}" if "theirs" in info
                    else ""))
 
