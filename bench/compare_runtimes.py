@@ -43,6 +43,7 @@ noisy.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import statistics
@@ -50,6 +51,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import benchlib
 
@@ -69,10 +71,11 @@ def _vm_hwm() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def worker_ours(folder: str, threads: int, ids: list[int], new: int) -> dict:
+def worker_ours(folder: str, threads: int, ids: list[int], new: int,
+                max_length: int = MAX_LENGTH) -> dict:
     import edgeprune_runtime as runtime
     t0 = time.perf_counter()
-    s = runtime.load(folder, threads=threads, max_length=MAX_LENGTH)
+    s = runtime.load(folder, threads=threads, max_length=max_length)
     load_s = time.perf_counter() - t0
     s.eos_token_ids = []                      # always generate `new` tokens
     s.generate(ids[:16], max_new_tokens=4)    # warm-up (kernels, arena)
@@ -82,7 +85,8 @@ def worker_ours(folder: str, threads: int, ids: list[int], new: int) -> dict:
             "tokens": r.token_ids[0][:16]}
 
 
-def worker_genai(folder: str, threads: int, ids: list[int], new: int) -> dict:
+def worker_genai(folder: str, threads: int, ids: list[int], new: int,
+                 max_length: int = MAX_LENGTH) -> dict:
     import numpy as np
     import onnxruntime_genai as og
     t0 = time.perf_counter()
@@ -93,7 +97,7 @@ def worker_genai(folder: str, threads: int, ids: list[int], new: int) -> dict:
 
     def run(prompt, n):
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=MAX_LENGTH, min_length=len(prompt) + n,
+        params.set_search_options(max_length=max_length, min_length=len(prompt) + n,
                                   do_sample=False)
         gen = og.Generator(model, params)
         t = time.perf_counter()
@@ -129,6 +133,9 @@ def worker_genai_ppl(folder: str, windows_json: str, threads: int) -> dict:
     so.intra_op_num_threads, so.inter_op_num_threads = int(threads), 1
     sess = ort.InferenceSession(str(Path(folder) / dec["filename"]), so, providers=["CPUExecutionProvider"])
     kv, hd = int(dec["num_key_value_heads"]), int(dec["head_size"])
+    # a sliding-window GroupQueryAttention needs a KV buffer of at least its window
+    # (onnxruntime-genai preallocates max_length): zeros of that capacity, nothing cached
+    window = int(((dec.get("sliding_window") or {}).get("window_size")) or 0)
     np_type = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
                "tensor(float16)": np.float16}
     ins = {i.name: np_type.get(i.type, np.float32) for i in sess.get_inputs()}
@@ -145,7 +152,7 @@ def worker_genai_ppl(folder: str, windows_json: str, threads: int) -> dict:
             elif name == "position_ids":
                 feed[name] = np.arange(n, dtype=dt)[None]
             elif name.startswith("past_key_values"):
-                feed[name] = np.zeros((1, kv, 0, hd), dt)
+                feed[name] = np.zeros((1, kv, max(window, n) if window else 0, hd), dt)
             else:
                 raise RuntimeError(f"unknown input {name} of the builder's model")
         return sess.run([out_name], feed)[0][0].astype(np.float32)
@@ -156,11 +163,24 @@ def worker_genai_ppl(folder: str, windows_json: str, threads: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
+def _max_length(theirs: Optional[Path]) -> int:
+    """Both sides' ``max_length``: :data:`MAX_LENGTH`, or the peer's sliding window where
+    its model has one (onnxruntime-genai's ``GroupQueryAttention`` refuses a KV buffer
+    shorter than ``local_window_size``: Gemma 3's 512), so both allocate alike."""
+    try:
+        cfg = json.loads((theirs / "genai_config.json").read_text())
+        ws = int(cfg["model"]["decoder"]["sliding_window"]["window_size"])
+    except (OSError, TypeError, KeyError, ValueError, AttributeError):
+        return MAX_LENGTH
+    return max(MAX_LENGTH, ws)
+
+
 def _run_worker(py: Path, impl: str, folder: Path, threads: int, prompt: Path, new: int,
-                timeout: float = 600) -> dict:
+                timeout: float = 600, max_length: int = MAX_LENGTH) -> dict:
     import psutil
     cmd = [str(py), str(Path(__file__).resolve()), "--worker", impl, "--folder", str(folder),
-           "--threads", str(threads), "--prompt", str(prompt), "--new", str(new)]
+           "--threads", str(threads), "--prompt", str(prompt), "--new", str(new),
+           "--max-length", str(max_length)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=benchlib.worker_env(OMP_NUM_THREADS=threads))
     proc = psutil.Process(p.pid)
@@ -193,7 +213,8 @@ def _build_theirs(info: dict, hf: Path, theirs: Path, work: Path, log, rebuild: 
         if rebuild or not (theirs / "model.onnx").exists():
             shutil.rmtree(theirs, ignore_errors=True)
             t = time.perf_counter()
-            r = subprocess.run([str(py), "-m", "onnxruntime_genai.models.builder", "-i", str(hf),
+            # the builder behind a config shim (Gemma 3 under transformers 5.x: _genai_builder.py)
+            r = subprocess.run([str(py), str(Path(__file__).with_name("_genai_builder.py")), "-i", str(hf),
                                 "-o", str(theirs), "-p", "int4", "-e", "cpu", "-c",
                                 str(work / "genai-cache")], capture_output=True, text=True)
             if r.returncode:
@@ -364,7 +385,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     benchlib.add_common_args(ap, "2 repeats; the default export only if cached (< 10 min once "
                                  ".venv-ortgenai exists)")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=5,
+                    help="speed runs per side and thread count (0: perplexity only)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--work", type=Path, default=benchlib.CACHE / "compare_runtimes")
     ap.add_argument("--rebuild", action="store_true")
@@ -382,6 +404,7 @@ def main(argv=None) -> int:
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--prompt", help=argparse.SUPPRESS)
     ap.add_argument("--new", type=int, default=NEW_TOKENS, help=argparse.SUPPRESS)
+    ap.add_argument("--max-length", type=int, default=MAX_LENGTH, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker == "genai_ppl":
         print(json.dumps(worker_genai_ppl(a.folder, a.prompt, a.threads[0])))
@@ -389,7 +412,7 @@ def main(argv=None) -> int:
     if a.worker:
         ids = json.loads(Path(a.prompt).read_text())
         fn = worker_ours if a.worker == "ours" else worker_genai
-        print(json.dumps(fn(a.folder, a.threads[0], ids, a.new)))
+        print(json.dumps(fn(a.folder, a.threads[0], ids, a.new, a.max_length)))
         return 0
 
     smol = a.model == benchlib.SMOLLM2
@@ -402,21 +425,25 @@ def main(argv=None) -> int:
             _prepare_family(a.model, a.variant, a.work, log, a.rebuild))
     runs: dict = {}
     names_log = "rtn-g32" if smol else a.variant
+    max_len = _max_length(info.get("theirs"))
+    if max_len != MAX_LENGTH:
+        log(f"max_length {max_len} on both sides (the peer's sliding window)")
+    run = functools.partial(_run_worker, max_length=max_len)
     for t in a.threads:
         for rep in range(repeat):          # interleave ours/theirs to share the noise
             if "default" in info:
-                rd = _run_worker(Path(sys.executable), "ours", info["default"], t, info["prompt"],
+                rd = run(Path(sys.executable), "ours", info["default"], t, info["prompt"],
                                  NEW_TOKENS)
                 runs.setdefault(("default", t), []).append(rd)
-            r = (_run_worker(Path(sys.executable), "ours", info["ours"], t, info["prompt"], NEW_TOKENS)
+            r = (run(Path(sys.executable), "ours", info["ours"], t, info["prompt"], NEW_TOKENS)
                  if "ours" in info else {"error": info["errors"].get("ours")})
             runs.setdefault(("ours", t), []).append(r)
             if "ours4" in info:
-                r4 = _run_worker(Path(sys.executable), "ours", info["ours4"], t, info["prompt"],
+                r4 = run(Path(sys.executable), "ours", info["ours4"], t, info["prompt"],
                                  NEW_TOKENS)
                 runs.setdefault(("ours4", t), []).append(r4)
             if "theirs" in info:
-                r2 = _run_worker(info["genai_py"], "genai", _thread_folder(info["theirs"], t), t,
+                r2 = run(info["genai_py"], "genai", _thread_folder(info["theirs"], t), t,
                                  info["prompt"], NEW_TOKENS)
                 runs.setdefault(("theirs", t), []).append(r2)
             log(f"t={t} rep {rep + 1}/{repeat}: ours "
@@ -434,7 +461,7 @@ def main(argv=None) -> int:
     impls = [i for i in ("default", "ours", "ours4") if i in info]
     names = ({"default": "int4", "ours": "int4-rtn-g32", "ours4": "int4-rtn-g32-lmhead4"} if smol else
              {"ours": f"{a.model}/int4-{a.variant}"})
-    for t, impl in [(t, i) for i in impls for t in a.threads]:
+    for t, impl in [(t, i) for i in impls for t in a.threads if repeat]:
         case = f"{names[impl]}-t{t}"
         errs = [r["error"] for r in runs.get(("theirs", t), []) if "error" in r]
         oerrs = [r["error"] for r in runs.get((impl, t), []) if "error" in r]
