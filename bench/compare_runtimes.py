@@ -33,6 +33,17 @@ onnxruntime-genai runs; one pass per window from an empty cache), metric ``wikit
 is already cached (building it takes 30+ min); the two data-free RTN exports take 1-3 min
 each, the peer's venv (``make bench-peers``) and its model builder a few more.
 
+``--ops`` also traces one generation per side and thread count with onnxruntime's own
+profiler (ours: ``runtime.load(profile_prefix=...)``; theirs: ``session_options.enable_profiling``
+in a copy of the builder's ``genai_config.json``) and puts a decode step side by side by
+operator type (``edgeprune_devices.profiler.ops.op_breakdown``; records
+``<case>/op/<type>`` ``decode_us_per_step`` and ``nodes_per_step``): where one graph spends
+the time the other does not. Tracing slows every node, so compare the shares; the speeds
+come from the timed runs::
+
+    python bench/compare_runtimes.py --model gemma3-270m --variant gptq-g128-h4 --repeat 4 --ops \
+        --ppl-windows 0 --json bench/results/compare_runtimes_gemma3-270m_gptq-g128-h4.json
+
 JSON: a list of ``{"case", "metric", "ours", "peer", "theirs"}`` with metrics
 ``decode_tok_s``, ``ttft_ms``, ``peak_rss_mib``, ``file_mib``; cases ``int4-t1``,
 ``int4-t2``...; peer ``onnxruntime-genai``. A failure is recorded (the figure null, plus an
@@ -163,6 +174,82 @@ def worker_genai_ppl(folder: str, windows_json: str, threads: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
+def worker_ours_ops(folder: str, threads: int, ids: list[int], new: int, max_length: int,
+                    trace: str) -> dict:
+    """Our runtime traced by onnxruntime's profiler (``runtime.load(profile_prefix=...)``):
+    a warm-up, then one generation of ``new`` tokens; the trace is moved to ``trace``."""
+    import edgeprune_runtime as runtime
+    s = runtime.load(folder, threads=threads, max_length=max_length,
+                     profile_prefix=str(Path(trace).with_suffix("")) + "-ort")
+    s.eos_token_ids = []
+    s.generate(ids[:16], max_new_tokens=2)
+    s.generate(ids, max_new_tokens=new)
+    shutil.move(str(s.end_profiling()), trace)
+    s.close()
+    return {"trace": trace}
+
+
+def worker_genai_ops(folder: str, threads: int, ids: list[int], new: int, max_length: int,
+                     trace: str) -> dict:
+    """onnxruntime-genai with its session's profiler on (``session_options.enable_profiling``
+    in a copy of ``genai_config.json``): a warm-up, then one generation of ``new`` tokens;
+    the trace (written when the model is released) is moved to ``trace``."""
+    import tempfile
+
+    import numpy as np
+    import onnxruntime_genai as og
+    tmp = Path(tempfile.mkdtemp(prefix="genai-ops-"))
+    try:
+        for f in Path(folder).iterdir():
+            if f.name != "genai_config.json":
+                (tmp / f.name).symlink_to(f.resolve())
+        cfg = json.loads((Path(folder) / "genai_config.json").read_text())
+        so = cfg["model"]["decoder"].setdefault("session_options", {})
+        so.update({"enable_profiling": str(tmp / "ort"), "intra_op_num_threads": threads,
+                   "inter_op_num_threads": 1})
+        (tmp / "genai_config.json").write_text(json.dumps(cfg))
+        model = og.Model(og.Config(str(tmp)))
+
+        def run(prompt, n):
+            params = og.GeneratorParams(model)
+            params.set_search_options(max_length=max_length, min_length=len(prompt) + n, do_sample=False)
+            gen = og.Generator(model, params)
+            gen.append_tokens(np.array(prompt, dtype=np.int32))
+            for _ in range(n):
+                gen.generate_next_token()
+            del gen
+        run(ids[:16], 2)
+        run(ids, new)
+        del model
+        got = sorted(tmp.glob("ort*.json"))
+        if not got:
+            raise RuntimeError("onnxruntime-genai wrote no profile")
+        shutil.move(str(got[-1]), trace)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"trace": trace}
+
+
+def op_records(case: str, ours: dict, theirs: Optional[dict]) -> list[dict]:
+    """Records of two :func:`edgeprune_devices.profiler.ops.op_breakdown` results (ours,
+    the peer's; decode steps): per operator type ``decode_us_per_step`` and
+    ``nodes_per_step``, case ``<case>/op/<type>``, plus ``<case>/op`` totals
+    (``traced_step_us``, ``outside_nodes_us_per_step``)."""
+    def table(b):
+        return {o["op"]: o for o in b["decode"]["ops"]} if b else {}
+    o, t = table(ours), table(theirs)
+    recs = []
+    for op in sorted(set(o) | set(t), key=lambda k: -max(o.get(k, {}).get("us_per_run", 0),
+                                                        t.get(k, {}).get("us_per_run", 0))):
+        for metric, key in (("decode_us_per_step", "us_per_run"), ("nodes_per_step", "nodes_per_run")):
+            recs.append(benchlib.record(f"{case}/op/{op}", metric, o.get(op, {}).get(key, 0.0), peer=PEER,
+                                        theirs=t.get(op, {}).get(key, 0.0) if theirs else None))
+    for metric, key in (("traced_step_us", "run_us_median"), ("outside_nodes_us_per_step", "outside_nodes_us_per_run")):
+        recs.append(benchlib.record(f"{case}/op", metric, ours["decode"][key], peer=PEER,
+                                    theirs=theirs["decode"][key] if theirs else None))
+    return recs
+
+
 def _max_length(theirs: Optional[Path]) -> int:
     """Both sides' ``max_length``: :data:`MAX_LENGTH`, or the peer's sliding window where
     its model has one (onnxruntime-genai's ``GroupQueryAttention`` refuses a KV buffer
@@ -353,6 +440,42 @@ def _thread_folder(base: Path, threads: int) -> Path:
     return d
 
 
+def _ops(info: dict, threads, name: str, work: Path, max_len: int, log) -> list[dict]:
+    """``--ops``: both sides traced (workers ``ours_ops`` / ``genai_ops``), a decode step
+    by operator type side by side (printed, and :func:`op_records`)."""
+    from edgeprune_devices.profiler.ops import op_breakdown
+
+    records = []
+    for t in threads:
+        got = {}
+        for side, py, folder in (("ours", Path(sys.executable), info.get("ours")),
+                                 ("theirs", info.get("genai_py"), info.get("theirs"))):
+            if folder is None or py is None:
+                continue
+            trace = work / f"trace-{side}-t{t}.json"
+            cmd = [str(py), str(Path(__file__).resolve()), "--worker", f"{side if side == 'ours' else 'genai'}_ops",
+                   "--folder", str(folder), "--threads", str(t), "--prompt", str(info["prompt"]),
+                   "--new", str(NEW_TOKENS), "--max-length", str(max_len), "--trace", str(trace)]
+            r = subprocess.run(cmd, capture_output=True, text=True, env=benchlib.worker_env(OMP_NUM_THREADS=t))
+            if r.returncode or not trace.exists():
+                records.append(benchlib.error_record(f"{name}-t{t}/op", f"{side} trace failed: "
+                                                     f"{(r.stderr or r.stdout)[-800:]}", peer=PEER))
+                continue
+            got[side] = op_breakdown(trace, decode_steps=NEW_TOKENS - 1)
+        if "ours" not in got:
+            continue
+        o, th = got["ours"]["decode"], (got.get("theirs") or {}).get("decode")
+        log(f"decode step by operator type, {t} thread(s) (traced: ours {o['run_us_median']:.0f} us"
+            + (f", theirs {th['run_us_median']:.0f} us" if th else "") + " per step)")
+        to = {x["op"]: x for x in (th or {}).get("ops", [])}
+        for x in o["ops"][:10]:
+            y = to.get(x["op"], {})
+            log(f"  {x['op']:<34}{x['us_per_run']:9.0f} us {x['nodes_per_run']:5.0f} nodes   theirs "
+                f"{y.get('us_per_run', 0):9.0f} us {y.get('nodes_per_run', 0):5.0f} nodes")
+        records += op_records(f"{name}-t{t}", got["ours"], got.get("theirs"))
+    return records
+
+
 def quality(folder: Path, nwindows: int, log) -> list[dict]:
     """WikiText-2 perplexity (512-token windows) of our int4 export vs the PyTorch
     fake-quantized model with the same integer weights (the issue's 0.5% criterion)."""
@@ -400,7 +523,14 @@ def main(argv=None) -> int:
     ap.add_argument("--ppl-windows", type=int, default=None,
                     help="WikiText-2 512-token windows for both int4 models' perplexity (default 40 for "
                          "the other models, quick 4, SmolLM2 0; 0 = skip)")
-    ap.add_argument("--worker", choices=["ours", "genai", "genai_ppl"], help=argparse.SUPPRESS)
+    ap.add_argument("--ops", action="store_true",
+                    help="also trace one generation per side and thread count with onnxruntime's "
+                         "profiler and compare a decode step by operator type (records "
+                         "<case>/op/<type> decode_us_per_step, nodes_per_step; traced steps are "
+                         "slower than timed ones: compare the shares)")
+    ap.add_argument("--worker", choices=["ours", "genai", "genai_ppl", "ours_ops", "genai_ops"],
+                    help=argparse.SUPPRESS)
+    ap.add_argument("--trace", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--prompt", help=argparse.SUPPRESS)
     ap.add_argument("--new", type=int, default=NEW_TOKENS, help=argparse.SUPPRESS)
@@ -408,6 +538,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.worker == "genai_ppl":
         print(json.dumps(worker_genai_ppl(a.folder, a.prompt, a.threads[0])))
+        return 0
+    if a.worker in ("ours_ops", "genai_ops"):
+        ids = json.loads(Path(a.prompt).read_text())
+        fn = worker_ours_ops if a.worker == "ours_ops" else worker_genai_ops
+        print(json.dumps(fn(a.folder, a.threads[0], ids, a.new, a.max_length, a.trace)))
         return 0
     if a.worker:
         ids = json.loads(Path(a.prompt).read_text())
@@ -489,6 +624,8 @@ def main(argv=None) -> int:
         if len(same) == 2 and all(same):
             n = sum(x == y for x, y in zip(*same))
             print(f"{case:<18}first 16 greedy tokens equal: {n}/16 (different int4 grids)")
+    if a.ops:
+        records += _ops(info, a.threads, names["ours"], a.work, max_len, log)
     if a.quality and smol:
         records += quality(info["ours"], a.quality, log)
     nwin = a.ppl_windows if a.ppl_windows is not None else (0 if smol else 4 if a.quick else 40)

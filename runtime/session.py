@@ -95,6 +95,10 @@ class Session(GenerationLoop):
             onnxruntime pre-packed) with 2 MiB transparent huge pages (Linux 6.1+
             ``MADV_COLLAPSE``; see :mod:`runtime.hugepages`: ~10 % faster decode, ~0.3 s
             of load, no RSS growth). ``huge_page_bytes`` records how much was collapsed.
+        profile_prefix: turn on onnxruntime's profiler: every run's nodes are traced into
+            the JSON file ``<profile_prefix>_<date>.json`` that :meth:`end_profiling`
+            closes and names (read it with ``edgeprune_devices.profiler.ops``). Tracing
+            slows every step; use it for a breakdown, never for timings.
 
     Raises:
         RuntimeLoadError: missing files, corrupt ``model.onnx`` / metadata, unknown device,
@@ -104,7 +108,7 @@ class Session(GenerationLoop):
 
     def __init__(self, folder, device: str = "cpu", threads: Optional[int] = None,
                  max_length: Optional[int] = None, context_policy: str = "error",
-                 huge_pages: bool = True):
+                 huge_pages: bool = True, profile_prefix: Optional[Union[str, os.PathLike]] = None):
         if not isinstance(folder, (str, os.PathLike)):
             raise RuntimeLoadError(f"folder must be a path, got {type(folder).__name__}",
                                    "pass the folder written by `edgeprune export`")
@@ -144,6 +148,7 @@ class Session(GenerationLoop):
         # load peak (lower peak RSS)
         self.tokenizer = Tokenizer.from_folder(self.folder)
         self.threads = threads
+        self.profile_prefix = None if profile_prefix is None else str(profile_prefix)
         so = self._session_options()
         data = self.folder / "model.onnx.data"
         want = self.meta.get("data_bytes")
@@ -235,7 +240,22 @@ class Session(GenerationLoop):
                                                          self.meta.get("qdq_accuracy_level"))
         if acc is not None:
             so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(int(acc)))
+        if getattr(self, "profile_prefix", None):
+            so.enable_profiling = True
+            so.profile_file_prefix = self.profile_prefix
         return so
+
+    def end_profiling(self) -> Path:
+        """Stop onnxruntime's profiler and return the trace file it wrote (see
+        ``profile_prefix``).
+
+        Raises:
+            GenerationError: the session was not loaded with ``profile_prefix``.
+        """
+        if not getattr(self, "profile_prefix", None):
+            raise GenerationError("this session is not profiling",
+                                  "load it with runtime.load(folder, profile_prefix='trace')")
+        return Path(self.sess.end_profiling())
 
     # ------------------------------------------------------------------ info
     @property
@@ -505,7 +525,7 @@ def _check_meta(meta: dict) -> None:
 
 def load(folder, device: str = "cpu", threads: Optional[int] = None,
          max_length: Optional[int] = None, context_policy: str = "error",
-         huge_pages: bool = True) -> Session:
+         huge_pages: bool = True, profile_prefix: Optional[Union[str, os.PathLike]] = None) -> Session:
     """Load an export folder: ``runtime.load(folder, device="cpu", threads=2)``.
 
     See :class:`Session` for the arguments and raised errors.
@@ -516,7 +536,8 @@ def load(folder, device: str = "cpu", threads: Optional[int] = None,
         meta = {}   # Session reports missing/corrupt metadata / a non-path with a clear error
     cls = session_class(meta if isinstance(meta, dict) else {}, Session)
     return cls(folder, device=device, threads=threads, max_length=max_length,
-               context_policy=context_policy, huge_pages=huge_pages)
+               context_policy=context_policy, huge_pages=huge_pages,
+               **({} if profile_prefix is None else {"profile_prefix": profile_prefix}))
 
 
 __all__ = ["load", "Session", "GenerationResult"]

@@ -177,7 +177,8 @@ def step_labels(cfg: dict) -> list[str]:
     each timed run, each sweep context): the progress bar's steps."""
     n = int(cfg["repeat"])
     return (["load + warm-up"] + [f"run {i + 1}/{n}" for i in range(n)]
-            + [f"context {int(c)}" for c in cfg.get("sweep") or []])
+            + [f"context {int(c)}" for c in cfg.get("sweep") or []]
+            + (["operator profile"] if cfg.get("ops") else []))
 
 
 def measure_export(cfg: dict, on_step: Optional[Callable[[], None]] = None) -> dict:
@@ -186,11 +187,14 @@ def measure_export(cfg: dict, on_step: Optional[Callable[[], None]] = None) -> d
     Args:
         cfg: ``folder``, ``device``, ``threads``, ``prompt_len``, ``gen_len``, ``repeat``,
             ``sweep`` (context lengths), ``max_length``, ``budget_bytes``,
-            ``profile_name``, ``status_path`` (isolated worker only).
+            ``profile_name``, ``status_path`` (isolated worker only), ``ops`` (also trace one
+            more generation with onnxruntime's profiler, in a session of its own loaded
+            after the timed runs and the memory readings, which it does not affect).
         on_step: called after each step of :func:`step_labels` (progress).
 
     Returns:
-        The measured figures (``ProfileReport.measured``, plus ``sweep`` rows).
+        The measured figures (``ProfileReport.measured``, plus ``sweep`` rows; with
+        ``ops``, ``ops``: :func:`~devices.profiler.ops.op_breakdown` of that generation).
 
     Raises:
         DeviceError: the RSS went over ``budget_bytes`` (in-process mode).
@@ -237,6 +241,9 @@ def measure_export(cfg: dict, on_step: Optional[Callable[[], None]] = None) -> d
         weights = int(sess.weights_bytes)
         sess.close()
     sweep_peak = max(watch.peak, _vm_hwm()) if sweep else None
+    ops = _op_profile(cfg, ids, G) if cfg.get("ops") else None
+    if ops is not None:
+        step()
     med, p90 = float(np.median(steps)) if steps else float("nan"), _pct(steps, 90)
     return {
         "ttft_ms": {"median": float(np.median(ttft)), "p90": _pct(ttft, 90), "runs": ttft},
@@ -249,8 +256,33 @@ def measure_export(cfg: dict, on_step: Optional[Callable[[], None]] = None) -> d
         "peak_rss_bytes": peak, "rss_start_bytes": rss_start, "rss_loaded_bytes": rss_loaded,
         "weights_bytes": weights, "kv_bytes": {"k": int(kv["k"]), "v": int(kv["v"])},
         "final_length": P + G, "kv_tokens": P + G - 1, "sweep": sweep, "budget_bytes": cfg.get("budget_bytes"),
-        "sweep_peak_rss_bytes": sweep_peak,
+        "sweep_peak_rss_bytes": sweep_peak, **({"ops": ops} if ops is not None else {}),
     }
+
+
+def _op_profile(cfg: dict, ids: list, new_tokens: int) -> dict:
+    """One warm-up and one generation of ``new_tokens`` in a session traced by onnxruntime's
+    profiler; the breakdown of its steps by operator type (:mod:`devices.profiler.ops`).
+    The trace goes to a temporary folder, removed afterwards."""
+    import edgeprune_runtime as runtime
+
+    from .ops import op_breakdown
+
+    tmp = Path(tempfile.mkdtemp(prefix="edgeprune-ops-"))
+    try:
+        sess = runtime.load(cfg["folder"], device=cfg["device"], threads=cfg["threads"],
+                            max_length=cfg.get("max_length"), profile_prefix=tmp / "ort")
+        try:
+            if hasattr(sess, "eos_token_ids"):
+                sess.eos_token_ids = []
+            sess.generate(ids[: max(1, min(len(ids), 16))], max_new_tokens=2)
+            sess.generate(ids, max_new_tokens=new_tokens)
+            trace = sess.end_profiling()
+        finally:
+            sess.close()
+        return op_breakdown(trace, decode_steps=new_tokens - 1)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run_worker(cfg: dict, isolate: bool, timeout: float,

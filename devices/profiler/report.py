@@ -64,7 +64,9 @@ class ProfileReport:
             is at the median step latency over all runs, its ``runs`` each run's mean rate,
             as its ``basis`` says), ``peak_rss_bytes``, ``weights_bytes``, ``kv_bytes`` (``{"k", "v"}``
             for the ``kv_tokens = final_length - 1`` tokens cached at the end: the last new
-            token is sampled, never fed back), ``final_length`` (prompt + new tokens).
+            token is sampled, never fed back), ``final_length`` (prompt + new tokens);
+            ``ops`` when asked for (:func:`devices.profiler.ops.op_breakdown`: a decode
+            step and the prefill by operator type, from a separate traced generation).
         projected: ``{target: {...}}`` roofline projections (never measurements).
         work: bytes / ops per token of the graph (:func:`model_work`).
         host: the host's measured bandwidth / compute used for the projection.
@@ -166,6 +168,13 @@ class ProfileReport:
                             f"is the {self.measured['final_length']}-token setting's own)."]
             if self.plot_path:
                 out += ["", f"Plot: `{self.plot_path}`"]
+        if m.get("ops"):
+            from .ops import format_ops
+            d = m["ops"]["decode"]
+            out += ["", f"Decode step by operator type (onnxruntime's profiler, {d['runs']} steps of one "
+                        f"more generation; traced steps take {d['run_us_median'] / 1000:.2f} ms, slower than "
+                        "the timed ones: read the shares):", ""]
+            out += format_ops(m["ops"])
         for n in self.notes:
             out.append(f"- {n}")
         return "\n".join(out) + "\n"

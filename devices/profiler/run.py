@@ -46,7 +46,7 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
             gen_len: int = 128, repeat: int = 5, sweep: Union[None, bool, Sequence[int]] = None,
             targets: Optional[Sequence[str]] = None, out_dir: Union[str, Path, None] = None,
             isolate: bool = True, timeout: float = 1800.0, threads: Optional[int] = None,
-            progress: bool = False) -> ProfileReport:
+            progress: bool = False, ops: bool = False) -> ProfileReport:
     """Measure ``folder`` on this host under a device profile and project to targets.
 
     Args:
@@ -74,6 +74,9 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
         threads: run with this many threads instead of the profile's (noted in the report).
         progress: show a progress bar (tqdm, on stderr) over load + warm-up, the timed
             runs and the sweep's contexts.
+        ops: also break a decode step down by operator type (onnxruntime's profiler over
+            one more generation, in a session loaded after the timed runs and memory
+            readings; ``measured["ops"]``, :func:`devices.profiler.ops.op_breakdown`).
 
     Returns:
         :class:`ProfileReport`.
@@ -146,7 +149,7 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
                               "`edgeprune export --max-length`")
     cfg = {"folder": str(folder), "device": device, "threads": threads, "prompt_len": int(prompt_len),
            "gen_len": int(gen_len), "repeat": int(repeat), "sweep": sweep_list, "max_length": need,
-           "budget_bytes": int(prof.memory_budget_bytes), "profile_name": prof.name}
+           "budget_bytes": int(prof.memory_budget_bytes), "profile_name": prof.name, "ops": bool(ops)}
     measured = _measure(cfg, isolate, timeout, progress)
     if measured["peak_rss_bytes"] > prof.memory_budget_bytes:
         raise DeviceError(f"peak RSS {measured['peak_rss_bytes'] / MiB:.1f} MiB exceeded the memory budget of profile "

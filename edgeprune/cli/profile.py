@@ -29,8 +29,11 @@ from ._common import _check_output, _console, _table, _write_json, threads_optio
               help="Folder for profile.md and the sweep plot (default: nothing written but the plot, into a "
                    "temporary folder the output names).")
 @threads_option(help="Threads to run with instead of the profile's.")
+@click.option("--ops", is_flag=True, default=False,
+              help="Also break a decode step down by operator type (onnxruntime's profiler, over one more "
+                   "generation after the timed runs): where the time goes.")
 @click.option("--json", "json_path", default=None, help="Write the report as JSON here.")
-def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets, out_dir, threads, json_path):
+def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets, out_dir, threads, ops, json_path):
     """Measure latency and memory of an exported FOLDER under a device profile."""
     from edgeprune_runtime.files import atomic_write
     from edgeprune_devices.profiler import profile
@@ -40,7 +43,7 @@ def profile_cmd(folder, device_name, prompt_len, gen_len, repeat, sweep, targets
     _check_output(json_path, "--json", [folder])
     rep = profile(folder, device_name, prompt_len=prompt_len, gen_len=gen_len, repeat=repeat,
                   sweep=_parse_sweep(sweep), targets=list(targets) or None, out_dir=out_dir,
-                  threads=threads, progress=True)
+                  threads=threads, progress=True, ops=ops)
     md = rep.to_markdown()
     click.echo(md)          # Markdown as is: no terminal-width wrapping, no rich markup
     if out_dir:

@@ -252,3 +252,86 @@ def test_cli_profile_sweep_list_progress_and_outputs(tiny_folder, tmp_path, monk
     for bad in ("32,x", "0"):
         code, _, err = run_cli(["profile", tiny_folder, "--sweep", bad], capsys)
         one_line_error(code, err, f"--sweep {bad!r} is not a list of context lengths", "--sweep 128,512,2048")
+
+
+# ------------------------------------------------------------------ operator breakdown
+def _trace():
+    """A hand-made onnxruntime trace: a warm-up run, a prefill, two decode steps."""
+    def run(ts, dur):
+        return {"cat": "Session", "name": "model_run", "ts": ts, "dur": dur}
+
+    def node(ts, dur, op, name="n"):
+        return {"cat": "Node", "name": f"{name}_kernel_time", "ts": ts, "dur": dur, "args": {"op_name": op}}
+
+    return [run(0, 100), node(10, 50, "MatMul"),                                   # warm-up: ignored
+            run(200, 400), node(210, 300, "MatMul"), node(520, 40, "Softmax"),     # prefill
+            {"cat": "Node", "name": "fence_before", "ts": 215, "dur": 1},          # not a kernel: ignored
+            run(700, 100), node(705, 60, "MatMul"), node(770, 20, "Softmax"),      # decode 1
+            run(900, 140), node(905, 80, "MatMul"), node(990, 20, "Softmax"), node(1011, 10, "Add")]
+
+
+def test_op_breakdown_sums_nodes_by_type_per_step(tmp_path):
+    from edgeprune_devices.profiler.ops import format_ops, op_breakdown
+
+    p = tmp_path / "trace.json"
+    p.write_text(json.dumps(_trace()))
+    for trace in (p, _trace(), {"traceEvents": _trace()}):
+        b = op_breakdown(trace, decode_steps=2)
+        d = b["decode"]
+        assert d["runs"] == 2 and d["run_us_mean"] == 120 and d["run_us_median"] == 120
+        assert [(o["op"], o["us_per_run"], o["nodes_per_run"]) for o in d["ops"]] == \
+            [("MatMul", 70, 1), ("Softmax", 20, 1), ("Add", 5, 0.5)]
+        assert d["ops"][0]["share"] == pytest.approx(70 / 120)
+        assert d["nodes_us_per_run"] == 95 and d["outside_nodes_us_per_run"] == 25
+        pre = b["prefill"]
+        assert pre["runs"] == 1 and [(o["op"], o["us_per_run"]) for o in pre["ops"]] == [("MatMul", 300), ("Softmax", 40)]
+    md = format_ops(b, top=2)
+    assert md[2] == "| MatMul | 70 | 58.3% | 1 |" and md[4] == "| 1 other types | 5 | 4.2% | 0 |"
+    assert md[-1] == "| (outside nodes: session) | 25 | 20.8% |  |"
+    # every run taken as a decode step: no prefill
+    assert op_breakdown(_trace(), decode_steps=4)["prefill"] is None
+
+
+def test_op_breakdown_bad_input(tmp_path):
+    from edgeprune_devices.profiler.ops import op_breakdown
+
+    for steps in (0, -1, 1.5, True):
+        with pytest.raises(DeviceError, match="decode_steps must be an integer >= 1"):
+            op_breakdown(_trace(), decode_steps=steps)
+    with pytest.raises(DeviceError, match="holds 4 runs, fewer than the 5 decode steps"):
+        op_breakdown(_trace(), decode_steps=5)
+    with pytest.raises(DeviceError, match="cannot read the onnxruntime profile"):
+        op_breakdown(tmp_path / "missing.json", decode_steps=1)
+    (tmp_path / "bad.json").write_text('"x"')
+    with pytest.raises(DeviceError, match="holds str, not a list of events"):
+        op_breakdown(tmp_path / "bad.json", decode_steps=1)
+
+
+def test_profile_ops_breaks_down_the_export_and_leaves_no_trace(tiny_folder, tmp_path, monkeypatch):
+    import onnx
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    r = profile(tiny_folder, "cpu-host", prompt_len=12, gen_len=6, repeat=1, ops=True, isolate=False)
+    ops = r.measured["ops"]
+    d, pre = ops["decode"], ops["prefill"]
+    assert d["runs"] == 5 and pre["runs"] == 1
+    # the same graph runs at prefill and decode: the same operator types, node for node
+    assert {o["op"]: o["nodes_per_run"] for o in d["ops"]} == {o["op"]: o["nodes_per_run"] for o in pre["ops"]}
+    assert sum(o["us_per_run"] for o in d["ops"]) == pytest.approx(d["nodes_us_per_run"])
+    assert d["nodes_us_per_run"] + d["outside_nodes_us_per_run"] == pytest.approx(d["run_us_mean"])
+    # one GroupQueryAttention per layer of the fused graph (2 layers)
+    kinds = {n.op_type for n in onnx.load(str(tiny_folder / "model.onnx"), load_external_data=False).graph.node}
+    assert "GroupQueryAttention" in kinds
+    assert {o["op"]: o["nodes_per_run"] for o in d["ops"]}["GroupQueryAttention"] == 2
+    assert "Decode step by operator type" in r.to_markdown() and "| GroupQueryAttention |" in r.to_markdown()
+    assert not list(tmp_path.glob("edgeprune-ops-*"))           # the trace folder is removed
+
+
+def test_end_profiling_needs_a_profiling_session(tiny_folder):
+    import edgeprune_runtime as runtime
+
+    with runtime.load(tiny_folder, threads=1) as s:
+        with pytest.raises(GenerationError, match="this session is not profiling"):
+            s.end_profiling()
