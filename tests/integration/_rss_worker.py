@@ -13,8 +13,11 @@ Usage: ``python _rss_worker.py FOLDER MODE N`` with MODE
   resident (the embedding rows read through the memory map).
 * ``long``: ``N`` new tokens in one run with the sliding-window context policy, RSS
   sampled every 20 ms by a thread into a buffer allocated before the run (so the
-  sampling itself adds no RSS); prints JSON ``{"samples": [[t_s, rss_bytes], ...],
-  "seconds", "tokens"}``.
+  sampling itself adds no RSS); prints JSON ``{"samples": [[t_s, rss_bytes, anon_bytes,
+  file_bytes], ...], "seconds", "tokens", "weights_bytes"}``: the whole resident set, its
+  anonymous part (heap, KV cache, onnxruntime's arenas) and its file-backed part (the
+  mapped weight file's pages: each new token's embedding row read through the map
+  brings its page, and the fault-around window beside it, in), from ``/proc/self/status``.
 
 Fresh process per measurement: ``VmHWM`` is per process, so nothing earlier leaks in.
 Imports only the runtime (torch-free), as an app would.
@@ -40,9 +43,18 @@ def _hwm() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
+def _status_rss() -> tuple[int, int, int]:
+    """``(VmRSS, RssAnon, RssFile)`` of this process, bytes."""
+    got = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "RssAnon:", "RssFile:")):
+                got[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return got["VmRSS"], got.get("RssAnon", -1), got.get("RssFile", -1)
+
+
 def main() -> None:
     folder, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    import psutil
 
     import edgeprune_runtime as runtime
 
@@ -67,11 +79,10 @@ def main() -> None:
         print(json.dumps({"vm_hwm": _hwm(), "kv_bytes": kv["k"] + kv["v"],
                           "huge_page_bytes": sess.huge_page_bytes, "anon_huge": sum(huge)}))
         return
-    proc = psutil.Process()
     # the samples go to a buffer allocated and touched before the run: a growing list
     # costs ~136 B a sample, 4.5 MiB over a 15-minute run on a loaded machine, which the
     # test would read as the runtime's growth
-    buf = np.full((SAMPLE_CAP, 2), -1.0)
+    buf = np.full((SAMPLE_CAP, 4), -1.0)
     count, stop = [0], threading.Event()
     t0 = time.perf_counter()
 
@@ -81,7 +92,7 @@ def main() -> None:
             if i == SAMPLE_CAP:                  # full: keep every other sample, sample half as often
                 buf[:SAMPLE_CAP // 2] = buf[::2].copy()
                 i, interval = SAMPLE_CAP // 2, 2 * interval
-            buf[i] = (time.perf_counter() - t0, proc.memory_info().rss)
+            buf[i] = (time.perf_counter() - t0, *_status_rss())
             i += 1
             count[0] = i
             time.sleep(interval)
@@ -91,9 +102,9 @@ def main() -> None:
     r = sess.generate(prompt, max_new_tokens=n)
     stop.set()
     th.join()
-    samples = [[t, int(rss)] for t, rss in buf[:count[0]].tolist()]
+    samples = [[t, int(rss), int(anon), int(fb)] for t, rss, anon, fb in buf[:count[0]].tolist()]
     print(json.dumps({"samples": samples, "seconds": time.perf_counter() - t0,
-                      "tokens": len(r.token_ids[0])}))
+                      "tokens": len(r.token_ids[0]), "weights_bytes": int(sess.weights_bytes)}))
 
 
 if __name__ == "__main__":
