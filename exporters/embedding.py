@@ -110,7 +110,7 @@ class EmbeddingHeadMixin:
                                   g.initializer("lm_head.scales", np.ascontiguousarray(
                                       sc.reshape(w.N, w.n_blocks), self.fdtype)),
                                   None if default_zero_points(w) else
-                                  g.initializer("lm_head.qzeros", zp))
+                                  g.initializer("lm_head.qzeros", zp.reshape(w.N, -1)))
             return self._gather_quantized(w)
         mode = self.opts.embedding or self.default_embedding()
         if not tied and mode in ("q8", "int4"):
@@ -159,6 +159,19 @@ class EmbeddingHeadMixin:
             sc = g.gather(scales, "input_ids", name="embed_tokens/scales")  # [B,S,nb,1]
         if qz is None:                      # symmetric grid: one zero point for all
             zz = g.const(2 ** (w.bits - 1), self.fdtype)
+        elif tensors is None and g.initializer_shape(qz) == (s.vocab_size, -(-nb * w.bits // 8)):
+            # the head's own zero points [V, bytes per row], gathered as stored (no folded
+            # copy, no float table in the file); 4-bit ones unpacked like the codes
+            zr = g.gather(qz, "input_ids", name="embed_tokens/zeros")      # [B,S,bytes]
+            if w.bits == 4:
+                lo = g.node("BitwiseAnd", [zr, g.const(15, np.uint8)], name="embed_tokens/zeros/lo")
+                hi = g.node("BitShift", [zr, g.const(4, np.uint8)], name="embed_tokens/zeros/hi",
+                            direction="RIGHT")
+                zr = g.concat([g.unsqueeze(lo, [-1]), g.unsqueeze(hi, [-1])], axis=-1)
+                zr = g.reshape(zr, [0, 0, -1])                             # [B,S,2*bytes]
+                if nb % 2:
+                    zr = g.slice(zr, [0], [nb], [2])
+            zz = g.cast(g.unsqueeze(zr, [-1]), self.ftype)                  # [B,S,nb,1]
         elif w.bits == 4 and packed_zeros:  # packed 4-bit zero points: gather float copies
             zfull = np.ascontiguousarray(w.zeros.astype(self.fdtype)[..., None])
             zz = g.gather(g.initializer("embed_tokens.zeros", zfull), "input_ids")

@@ -381,8 +381,9 @@ def test_int4_lm_head_modes_and_tied_sharing(tok, tmp_path):
 @pytest.mark.parametrize("lm_head", ["q8", "int4"])
 def test_tied_head_scales_read_in_place(lm_head, tok, tmp_path):
     """The scales of a tied quantized table (8-bit or int4 head shared with the embedding)
-    are one float32 ``[vocab, n_blocks]`` initializer that the head's ``MatMulNBits`` and
-    the embedding's ``Gather`` both read as stored: no ``Cast`` or ``Reshape`` in front
+    are one float32 ``[vocab, n_blocks]`` initializer, and its zero points one uint8
+    ``[vocab, bytes per row]``, that the head's ``MatMulNBits`` and the embedding's
+    ``Gather`` both read as stored: no ``Cast`` or ``Reshape`` in front
     that onnxruntime would fold into a resident copy of the whole table of scales (its
     MatMulNBits keeps a scales input after pre-packing it), and none in the optimized
     graph; the export still computes what the quantizer measured."""
@@ -408,9 +409,13 @@ def test_tied_head_scales_read_in_place(lm_head, tok, tmp_path):
     copies = [t.name for t in opt.graph.initializer
               if int(np.prod(t.dims)) == V * nb and t.name != head.input[2]
               and t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)]
-    if lm_head == "int4":       # its float zero points for the gather are stored, not folded
-        copies = [c for c in copies if c != "embed_tokens.zeros"]
     assert copies == [], copies
+    # the zero points too: the head's own (packed for int4) [vocab, bytes per row], gathered
+    # as stored; no other table of them in the file
+    zp = inits[head.input[3]]
+    assert list(zp.dims) == [V, -(-nb * int(at["bits"]) // 8)]
+    assert [n for n in m.graph.node if n.op_type == "Gather" and n.input[0] == head.input[3]]
+    assert "embed_tokens.zeros" not in inits
 
 
 def test_fp16_export_runs(tiny_llama, tok, tmp_path):
