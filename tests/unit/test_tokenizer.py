@@ -153,7 +153,7 @@ def _backend_pair(path):
     from tokenizers import Tokenizer as T
 
     from edgeprune_runtime.tokenizer import load_backend
-    return load_backend(path), T.from_file(str(path))
+    return load_backend(path, min_bytes=0), T.from_file(str(path))
 
 
 def _assert_same_backend(a, b, texts):
@@ -202,13 +202,14 @@ def test_load_backend_equals_from_file(tmp_path, kind):
 
 
 def test_load_backend_builds_bpe_without_from_file(tmp_path, monkeypatch):
-    """A BPE file never goes through ``from_file`` (whose parse leaves the heap
-    fragmented); a model of another type (WordLevel here) and a file whose merges are not
-    pairs do, unchanged (its error included)."""
+    """A BPE file of at least ``min_bytes`` never goes through ``from_file`` (whose parse
+    leaves the heap fragmented); a smaller one (the default threshold), a model of another
+    type (WordLevel here) and a file whose merges are not pairs do, unchanged (its error
+    included)."""
     import tokenizers
     from tokenizers import models, pre_tokenizers
 
-    from edgeprune_runtime.tokenizer import load_backend
+    from edgeprune_runtime.tokenizer import COMPACT_LOAD_MIN_BYTES, load_backend
 
     save_bpe_tokenizer(tmp_path)
     path = tmp_path / "tokenizer.json"
@@ -225,15 +226,19 @@ def test_load_backend_builds_bpe_without_from_file(tmp_path, monkeypatch):
             return RealT.from_file(p)
 
     monkeypatch.setattr(tokenizers, "Tokenizer", Spy())
-    assert type(load_backend(path).model).__name__ == "BPE" and calls == []
+    assert type(load_backend(path, min_bytes=0).model).__name__ == "BPE" and calls == []
+    # a small file (under COMPACT_LOAD_MIN_BYTES) goes through from_file
+    assert path.stat().st_size < COMPACT_LOAD_MIN_BYTES
+    assert type(load_backend(path).model).__name__ == "BPE" and calls == [str(path)]
+    calls.clear()
     t = RealT(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     t.pre_tokenizer = pre_tokenizers.Whitespace()
     t.save(str(tmp_path / "wl.json"))
-    assert load_backend(tmp_path / "wl.json").encode("a b c").ids == [0, 1, 2]
+    assert load_backend(tmp_path / "wl.json", min_bytes=0).encode("a b c").ids == [0, 1, 2]
     assert calls == [str(tmp_path / "wl.json")]
     j = json.loads(path.read_text())
     j["model"]["merges"] = ["a b c"] + j["model"]["merges"]
     (tmp_path / "bad.json").write_text(json.dumps(j))
     with pytest.raises(Exception, match="(?i)merge"):
-        load_backend(tmp_path / "bad.json")
+        load_backend(tmp_path / "bad.json", min_bytes=0)
     assert calls[-1] == str(tmp_path / "bad.json")
