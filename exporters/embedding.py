@@ -97,10 +97,20 @@ class EmbeddingHeadMixin:
             # Share the quantized table: gather rows of codes, dequantize in the graph.
             w = self._head_int
             B, sc, zp = pack_matmulnbits(w)
+            # The scales as one [N, n_blocks] initializer in the graph's float type, read by
+            # both consumers straight from the mapped weight file: onnxruntime keeps a
+            # MatMulNBits scales input resident after pre-packing it (x86: is_packed false),
+            # so the float16-behind-a-Cast form (GraphBuilder.scales) became a folded float32
+            # copy held in full, and the embedding's Reshape of it a second one (Gemma 3
+            # int4 head: 2 x 20 MiB resident; here the mapped pages are dropped after the
+            # build and the Gather reads one row per token). Same values (the float16 ones
+            # widened), so the same compute; the head's scales take 32 instead of 16 bits
+            # in the file.
             self._head_tensors = (g.initializer("lm_head.qweight", B),
-                                  g.scales("lm_head.scales", sc, self.fdtype),
+                                  g.initializer("lm_head.scales", np.ascontiguousarray(
+                                      sc.reshape(w.N, w.n_blocks), self.fdtype)),
                                   None if default_zero_points(w) else
-                                  g.initializer("lm_head.qzeros", zp))
+                                  g.initializer("lm_head.qzeros", zp.reshape(w.N, -1)))
             return self._gather_quantized(w)
         mode = self.opts.embedding or self.default_embedding()
         if not tied and mode in ("q8", "int4"):
@@ -140,10 +150,28 @@ class EmbeddingHeadMixin:
             st = g.concat([g.unsqueeze(lo, [-1]), g.unsqueeze(hi, [-1])], axis=-1)
             rows = g.reshape(st, [0, 0, nb, bs])
         codes = g.cast(rows, self.ftype)
-        scales = g.reshape(qs, [s.vocab_size, nb, 1])
-        sc = g.gather(scales, "input_ids", name="embed_tokens/scales")      # [B,S,nb,1]
+        if g.initializer_shape(qs) == (s.vocab_size, nb):
+            # gathered from the initializer itself (a Reshape of it would be folded into
+            # a resident copy of the whole table of scales)
+            sc = g.unsqueeze(g.gather(qs, "input_ids", name="embed_tokens/scales"), [-1])
+        else:
+            scales = g.reshape(qs, [s.vocab_size, nb, 1])
+            sc = g.gather(scales, "input_ids", name="embed_tokens/scales")  # [B,S,nb,1]
         if qz is None:                      # symmetric grid: one zero point for all
             zz = g.const(2 ** (w.bits - 1), self.fdtype)
+        elif tensors is None and g.initializer_shape(qz) == (s.vocab_size, -(-nb * w.bits // 8)):
+            # the head's own zero points [V, bytes per row], gathered as stored (no folded
+            # copy, no float table in the file); 4-bit ones unpacked like the codes
+            zr = g.gather(qz, "input_ids", name="embed_tokens/zeros")      # [B,S,bytes]
+            if w.bits == 4:
+                lo = g.node("BitwiseAnd", [zr, g.const(15, np.uint8)], name="embed_tokens/zeros/lo")
+                hi = g.node("BitShift", [zr, g.const(4, np.uint8)], name="embed_tokens/zeros/hi",
+                            direction="RIGHT")
+                zr = g.concat([g.unsqueeze(lo, [-1]), g.unsqueeze(hi, [-1])], axis=-1)
+                zr = g.reshape(zr, [0, 0, -1])                             # [B,S,2*bytes]
+                if nb % 2:
+                    zr = g.slice(zr, [0], [nb], [2])
+            zz = g.cast(g.unsqueeze(zr, [-1]), self.ftype)                  # [B,S,nb,1]
         elif w.bits == 4 and packed_zeros:  # packed 4-bit zero points: gather float copies
             zfull = np.ascontiguousarray(w.zeros.astype(self.fdtype)[..., None])
             zz = g.gather(g.initializer("embed_tokens.zeros", zfull), "input_ids")

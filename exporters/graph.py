@@ -82,6 +82,14 @@ class GraphBuilder:
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
+    def initializer_shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape of the initializer ``name``, or ``None`` when ``name`` is not one
+        (a node's output, a graph input)."""
+        for t in reversed(self.initializers):
+            if t.name == name:
+                return tuple(int(d) for d in t.dims)
+        return None
+
     def scales(self, name: str, array: np.ndarray, dtype) -> str:
         """A quantized weight's scales as a tensor of the graph's float ``dtype``.
 

@@ -206,6 +206,45 @@ def _has_written_pages(pagemap_fd: int, start: int, end: int) -> bool:
     return bool(np.any((v & np.uint64(_PRESENT)) & ~((v & np.uint64(_FILE_PAGE)) << np.uint64(2))))
 
 
+def _page_counts(pagemap_fd: int, ranges: list[tuple[int, int]],
+                 gap: int = 1 << 20) -> list[tuple[int, int]]:
+    """``[(present, written), ...]``: for each ``(start, end)`` of ``ranges`` (page-aligned
+    private file mappings), how many of its pages are resident and how many of those this
+    process wrote (:func:`_has_written_pages`' test, page by page). Mappings closer than
+    ``gap`` bytes are read in one ``pread`` of ``/proc/self/pagemap`` and counted with a
+    few numpy operations, so a sweep over the ~190 mappings of a Gemma 3 int4 export takes
+    ~1 ms instead of ~4 (one read and several numpy calls per mapping): on a loaded core
+    the dropper then keeps up with onnxruntime's pre-packing reads.
+
+    Raises:
+        OSError: ``/proc/self/pagemap`` cannot be read.
+    """
+    import numpy as np
+
+    out: list[tuple[int, int]] = [(0, 0)] * len(ranges)
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    k = 0
+    while k < len(order):
+        j = k + 1
+        while j < len(order) and ranges[order[j]][0] - ranges[order[j - 1]][1] <= gap:
+            j += 1
+        group = order[k:j]
+        lo = ranges[group[0]][0] // _PAGE
+        hi = max(ranges[i][1] for i in group) // _PAGE
+        v = np.frombuffer(os.pread(pagemap_fd, 8 * (hi - lo), 8 * lo), np.uint64)
+        present = (v & np.uint64(_PRESENT)) != 0
+        written = present & ((v & np.uint64(_FILE_PAGE)) == 0)
+        cp = np.concatenate(([0], np.cumsum(present)))
+        cw = np.concatenate(([0], np.cumsum(written)))
+        a = np.array([ranges[i][0] // _PAGE - lo for i in group])
+        b = np.array([ranges[i][1] // _PAGE - lo for i in group])
+        b = np.minimum(b, len(v))
+        for i, p, w in zip(group, (cp[b] - cp[a]).tolist(), (cw[b] - cw[a]).tolist()):
+            out[i] = (int(p), int(w))
+        k = j
+    return out
+
+
 class WeightPageDropper:
     """Hands back the weight file's resident mapped pages over and over while onnxruntime
     builds a session (a context manager around ``ort.InferenceSession(...)``).
@@ -220,19 +259,30 @@ class WeightPageDropper:
     faults back in from the page cache), so the mapped copy never piles up. Linux only;
     elsewhere (no ``/proc/self/pagemap``, no ``madvise``) it does nothing.
 
+    With ``trim_heap`` (default) each background sweep also hands the heap the build has
+    freed back to the OS (:func:`release_free_heap`): onnxruntime frees ~20 MiB of graph
+    build memory while it is still pre-packing, which otherwise stayed resident until the
+    build ended (Gemma 3 int4, one thread: build peak 376-384 -> 367-372 MiB).
+
+    Args:
+        folder: the export folder whose ``model.onnx*`` mappings are swept.
+        interval: seconds between background sweeps.
+        trim_heap: also ``malloc_trim`` after each background sweep.
+
     Attributes:
         sweeps: sweeps done; ``dropped``: bytes of mappings advised over all sweeps.
     """
 
-    def __init__(self, folder: Path, interval: float = 0.005):
-        self.folder, self.interval = Path(folder), float(interval)
+    def __init__(self, folder: Path, interval: float = 0.005, trim_heap: bool = True):
+        self.folder, self.interval, self.trim_heap = Path(folder), float(interval), bool(trim_heap)
         self.sweeps = self.dropped = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def sweep(self) -> int:
         """One pass over the mappings; returns the bytes of mappings advised (0 where
-        unsupported)."""
+        unsupported). Only mappings holding a resident page are advised, and only those
+        without a page this process wrote (:func:`_page_counts`)."""
         try:
             import ctypes
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -242,8 +292,9 @@ class WeightPageDropper:
             return 0
         done = 0
         try:
-            for a, b in _weight_ranges(self.folder):
-                if not _has_written_pages(fd, a, b) and \
+            ranges = _weight_ranges(self.folder)
+            for (a, b), (present, written) in zip(ranges, _page_counts(fd, ranges)):
+                if present and not written and \
                         libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), 4) == 0:
                     done += b - a                               # 4 = MADV_DONTNEED
         except (OSError, ValueError):
@@ -257,6 +308,8 @@ class WeightPageDropper:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self.sweep()
+            if self.trim_heap:
+                release_free_heap()
 
     def __enter__(self) -> "WeightPageDropper":
         if hasattr(os, "pread") and os.path.exists("/proc/self/pagemap"):

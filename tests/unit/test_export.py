@@ -378,6 +378,46 @@ def test_int4_lm_head_modes_and_tied_sharing(tok, tmp_path):
     assert rf.parity["max_abs_logit_diff"] < 1e-4
 
 
+@pytest.mark.parametrize("lm_head", ["q8", "int4"])
+def test_tied_head_scales_read_in_place(lm_head, tok, tmp_path):
+    """The scales of a tied quantized table (8-bit or int4 head shared with the embedding)
+    are one float32 ``[vocab, n_blocks]`` initializer, and its zero points one uint8
+    ``[vocab, bytes per row]``, that the head's ``MatMulNBits`` and the embedding's
+    ``Gather`` both read as stored: no ``Cast`` or ``Reshape`` in front
+    that onnxruntime would fold into a resident copy of the whole table of scales (its
+    MatMulNBits keeps a scales input after pre-packing it), and none in the optimized
+    graph; the export still computes what the quantizer measured."""
+    import onnxruntime as ort
+    from transformers import LlamaConfig
+    from tiny import tiny_model
+    model = tiny_model(LlamaConfig, tie_word_embeddings=True)
+    res = _export(model, tok, tmp_path / "m", precision="int4", lm_head=lm_head, accuracy_level=0)
+    assert res.parity["max_abs_logit_diff"] < 1e-3
+    m = onnx.load(str(tmp_path / "m" / "model.onnx"), load_external_data=False)
+    inits = {t.name: t for t in m.graph.initializer}
+    head = next(n for n in m.graph.node if n.op_type == "MatMulNBits" and n.name.startswith("lm_head"))
+    at = {a.name: onnx.helper.get_attribute_value(a) for a in head.attribute}
+    V, nb = int(at["N"]), -(-int(at["K"]) // int(at["block_size"]))
+    sc = inits[head.input[2]]
+    assert sc.data_type == onnx.TensorProto.FLOAT and list(sc.dims) == [V, nb]
+    gathers = [n for n in m.graph.node if n.op_type == "Gather" and n.input[0] == head.input[2]]
+    assert len(gathers) == 1
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    ort.InferenceSession(str(tmp_path / "m" / "model.onnx"), so, providers=["CPUExecutionProvider"])
+    opt = onnx.load(str(tmp_path / "opt.onnx"), load_external_data=False)
+    copies = [t.name for t in opt.graph.initializer
+              if int(np.prod(t.dims)) == V * nb and t.name != head.input[2]
+              and t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)]
+    assert copies == [], copies
+    # the zero points too: the head's own (packed for int4) [vocab, bytes per row], gathered
+    # as stored; no other table of them in the file
+    zp = inits[head.input[3]]
+    assert list(zp.dims) == [V, -(-nb * int(at["bits"]) // 8)]
+    assert [n for n in m.graph.node if n.op_type == "Gather" and n.input[0] == head.input[3]]
+    assert "embed_tokens.zeros" not in inits
+
+
 def test_fp16_export_runs(tiny_llama, tok, tmp_path):
     res = _export(tiny_llama, tok, tmp_path / "m", precision="fp16")
     assert res.parity["top1_agreement"] >= 0.95

@@ -139,3 +139,60 @@ def test_load_memory_stages_of_a_tiny_export(tmp_path, benchlib, monkeypatch):
     for k, v in st.items():
         assert 0 < v["rss"] <= v["hwm"] + 1e-6, k
     assert st["generate"]["hwm"] >= st["session"]["hwm"] >= st["imports"]["hwm"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="needs Linux /proc/self/pagemap")
+def test_page_counts_per_mapping_in_one_read(tmp_path):
+    """``_page_counts`` over several mappings (read together): resident pages and written
+    (copy-on-write) pages per mapping, as ``_has_written_pages`` sees them one by one; a
+    sweep advises only the mappings with resident pages and no written one."""
+    folder, m, content = _mapped(tmp_path, pages=32)
+    extra = []
+    try:
+        with open(folder / "model.onnx.data", "rb") as f:
+            for _ in range(2):
+                extra.append(mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                                       prot=mmap.PROT_READ | mmap.PROT_WRITE))
+        extra[0][7 * 4096] = (content[7 * 4096] + 1) % 256       # written: 1 page present
+        assert extra[1][3 * 4096] == content[3 * 4096]            # read: 1 page (+ fault-around)
+        ranges = rm._weight_ranges(folder)
+        assert len(ranges) == 3
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+        try:
+            counts = rm._page_counts(fd, ranges)
+            for (a, b), (present, written) in zip(ranges, counts):
+                assert (written > 0) == rm._has_written_pages(fd, a, b)
+                assert 1 <= present <= 32
+            assert sorted(w for _, w in counts) == [0, 0, 1]
+            assert sorted(p for p, _ in counts)[-1] == 32          # the fully read one
+        finally:
+            os.close(fd)
+        d = rm.WeightPageDropper(folder)
+        assert d.sweep() == 2 * len(content)                      # not the written one
+        assert extra[0][7 * 4096] == (content[7 * 4096] + 1) % 256
+        assert m[:] == content and extra[1][:] == content
+    finally:
+        for x in extra:
+            x.close()
+        m.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="needs Linux /proc/self/pagemap")
+@pytest.mark.parametrize("trim", [True, False])
+def test_weight_page_dropper_trims_the_heap_while_sweeping(tmp_path, monkeypatch, trim):
+    """Each background sweep also hands freed heap back (``release_free_heap``: what the
+    session build frees while it is still pre-packing), unless ``trim_heap=False``."""
+    import time
+
+    folder, m, _ = _mapped(tmp_path, pages=4)
+    calls = []
+    monkeypatch.setattr(rm, "release_free_heap", lambda: calls.append(1))
+    try:
+        with rm.WeightPageDropper(folder, interval=0.001, trim_heap=trim) as d:
+            t0 = time.monotonic()
+            while d.sweeps < 3 and time.monotonic() - t0 < 10:
+                time.sleep(0.01)
+        assert d.sweeps >= 3
+        assert (len(calls) >= 3) if trim else calls == []
+    finally:
+        m.close()
