@@ -305,16 +305,61 @@ def ensure_venv(name: str, packages: Sequence[str], *, check_import: Optional[st
     return py
 
 
+#: llama.cpp's CPU instruction-set options (``GGML_*``) and the ``/proc/cpuinfo`` flag each needs
+GGML_ISA = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",
+            "GGML_BMI2": "bmi2", "GGML_AVX_VNNI": "avx_vnni", "GGML_AVX512": "avx512f",
+            "GGML_AVX512_VBMI": "avx512vbmi", "GGML_AVX512_VNNI": "avx512_vnni",
+            "GGML_AVX512_BF16": "avx512_bf16"}
+
+
+def llamacpp_cmake_args(flags: Optional[set] = None) -> str:
+    """``CMAKE_ARGS`` for building llama-cpp-python on this CPU: not ``GGML_NATIVE``, but
+    every x86 extension of :data:`GGML_ISA` the CPU reports, and no AMX. A native build on
+    a host whose CPU reports AMX crashed at the first decode (SIGILL / SIGSEGV: the guest
+    kernel does not grant the AMX tile state), and an AVX2-only build would handicap the
+    peer on an AVX-512 host. ``flags``: the CPU's flags (default: ``/proc/cpuinfo``'s);
+    non-x86 hosts (no flags) keep the native build (``""``)."""
+    if flags is None:
+        try:
+            line = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+        except OSError:
+            line = ""
+        flags = set(line.partition(":")[2].split())
+    if "avx" not in flags:
+        return ""
+    on = [f"-D{opt}=ON" for opt, flag in GGML_ISA.items() if flag in flags]
+    off = [f"-D{opt}=OFF" for opt, flag in GGML_ISA.items() if flag not in flags]
+    return " ".join(["-DGGML_NATIVE=OFF", *on, *off,
+                     "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"])
+
+
 def ensure_peer(name: str, log: Optional[Path] = None) -> Path:
     """The python of the peer venv ``name`` (a key of :data:`PEER_VENVS`), built on first
-    use; ``log`` defaults to ``bench/.cache/venv-<name>.log``.
+    use; ``log`` defaults to ``bench/.cache/venv-<name>.log``. llama.cpp is built with
+    :func:`llamacpp_cmake_args` (recorded in ``.venv-llamacpp/cmake-args``: a venv built
+    with other arguments, e.g. natively, is rebuilt).
 
     Raises:
         KeyError: unknown peer name. RuntimeError: the venv could not be built.
     """
     packages, check, env = PEER_VENVS[name]
-    return ensure_venv(name, packages, check_import=check, env=env,
-                       log=log or CACHE / f"venv-{name}.log")
+    log = log or CACHE / f"venv-{name}.log"
+    if name != "llamacpp":
+        return ensure_venv(name, packages, check_import=check, env=env, log=log)
+    args = llamacpp_cmake_args()
+    stamp = venv_python(name).parent.parent / "cmake-args"
+    env = {**env, "CMAKE_ARGS": args}
+    if stamp.is_file() and stamp.read_text() == args:
+        return ensure_venv(name, packages, check_import=check, env=env, log=log)
+    py = ensure_venv(name, [p for p in packages if p != "llama-cpp-python"], env=env, log=log)
+    with open(log, "a") as out:
+        r = subprocess.run([str(py), "-m", "pip", "install", "--disable-pip-version-check", "--no-cache-dir",
+                            "--force-reinstall", "--no-deps", "llama-cpp-python"], stdout=out, stderr=out,
+                           env={**os.environ, **env})
+    if r.returncode:
+        raise RuntimeError(f"building llama-cpp-python with CMAKE_ARGS={args!r} failed (see {log})")
+    stamp.write_text(args)
+    return py
 
 
 def run_peer(py: Path, args: Sequence[str], *, timeout: float, env: Optional[dict] = None,

@@ -55,6 +55,8 @@ DOC_TABLES = {
     "task_parity": ("docs/study.md", tuple(f"{m}_{t}{side}" for t in ("piqa", "arc_easy", "hellaswag")
                                            for m in ("acc", "acc_norm") for side in ("", ":theirs"))
                     + ("max_abs_diff_points",)),
+    "compare_methods_qwen2.5-coder-0.5b": ("docs/models.md", ("ppl", "ppl:theirs", "compress_s",
+                                                                "compress_s:theirs")),
     "calibration_languages": ("docs/evaluation.md", tuple(f"ppl_increase_pct_{c}" for c in (
         "eng", "arb", "deu", "fra", "rus", "spa", "zho-CN")) + ("worst_over_en", "ppl_increase_pct_wikitext2")),
 }
