@@ -172,3 +172,18 @@ def test_task_parity_records_points_and_the_largest_difference(benchlib):
     assert by["acc_arc_easy"]["peer"] == "lm-eval hf"
     assert by["max_abs_diff_points"]["ours"] == pytest.approx(2.0)
     assert len(recs) == 2 * len(tp.TASKS) + 1
+
+
+def test_llamacpp_cmake_args_follow_the_cpu_and_leave_amx_out():
+    bl = load_bench("benchlib")
+    avx512 = {"avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512_vnni", "amx_tile", "amx_int8"}
+    args = bl.llamacpp_cmake_args(avx512).split()
+    assert args[0] == "-DGGML_NATIVE=OFF"
+    assert {"-DGGML_AVX2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=OFF",
+            "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(args)
+    # every ISA option said exactly once, ON or OFF
+    assert sorted(a.split("=")[0] for a in args if not a.startswith("-DGGML_AMX") and a != "-DGGML_NATIVE=OFF") == \
+        sorted(f"-D{k}" for k in bl.GGML_ISA)
+    avx2 = bl.llamacpp_cmake_args({"avx", "avx2", "fma", "f16c"})
+    assert "-DGGML_AVX2=ON" in avx2 and "-DGGML_AVX512=OFF" in avx2
+    assert bl.llamacpp_cmake_args({"neon", "asimd"}) == ""       # not x86: native build
