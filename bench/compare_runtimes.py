@@ -508,8 +508,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     benchlib.add_common_args(ap, "2 repeats; the default export only if cached (< 10 min once "
                                  ".venv-ortgenai exists)")
-    ap.add_argument("--repeat", type=int, default=5,
-                    help="speed runs per side and thread count (0: perplexity only)")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="speed runs per side and thread count (default 5, quick 2; 0: perplexity only)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--work", type=Path, default=benchlib.CACHE / "compare_runtimes")
     ap.add_argument("--rebuild", action="store_true")
@@ -554,7 +554,7 @@ def main(argv=None) -> int:
     if not smol and a.work == benchlib.CACHE / "compare_runtimes":
         a.work = benchlib.CACHE / f"compare_runtimes-{a.model}"
     a.work.mkdir(parents=True, exist_ok=True)
-    repeat = 2 if a.quick else a.repeat
+    repeat = a.repeat if a.repeat is not None else (2 if a.quick else 5)
     log = lambda m: print(f"[compare_runtimes] {m}", flush=True)  # noqa: E731
     info = (_prepare(a.work, log, a.rebuild, a.quick) if smol else
             _prepare_family(a.model, a.variant, a.work, log, a.rebuild))

@@ -57,6 +57,20 @@ DOC_TABLES = {
                     + ("max_abs_diff_points",)),
     "compare_methods_qwen2.5-coder-0.5b": ("docs/models.md", ("ppl", "ppl:theirs", "compress_s",
                                                                 "compress_s:theirs")),
+    # the AVX-512 host of 2026-12-05: every family vs llama.cpp and onnxruntime-genai (issue 22)
+    **{stem: ("docs/models.md", ("decode_tok_s", "decode_tok_s:theirs", "decode_ratio_paired",
+                                 "ttft_ms", "ttft_ms:theirs", "peak_rss_mib", "peak_rss_mib:theirs"))
+       for stem in ("compare_llamacpp_smollm2_avx512", "compare_runtimes_smollm2_avx512",
+                    "compare_llamacpp_qwen2.5-coder-0.5b_speed_avx512",
+                    "compare_runtimes_qwen2.5-coder-0.5b_avx512",
+                    "compare_llamacpp_gemma3-270m_h4_avx512")},
+    "compare_runtimes_gemma3-270m_gptq-g128-h4_avx512": ("docs/models.md", (
+        "decode_tok_s", "decode_tok_s:theirs", "ttft_ms", "ttft_ms:theirs", "peak_rss_mib",
+        "peak_rss_mib:theirs", "decode_us_per_step", "decode_us_per_step:theirs", "nodes_per_step",
+        "nodes_per_step:theirs", "traced_step_us", "traced_step_us:theirs")),
+    "compare_llamacpp_longctx_avx512": ("docs/kv-cache.md", (
+        "decode_tok_s", "decode_tok_s:theirs", "decode_ratio_paired", "decode_ratio_paired_min",
+        "decode_ratio_paired_max", "peak_rss_mib", "peak_rss_mib:theirs", "kv_cache_mib", "kv_cache_mib:theirs")),
     "calibration_languages": ("docs/evaluation.md", tuple(f"ppl_increase_pct_{c}" for c in (
         "eng", "arb", "deu", "fra", "rus", "spa", "zho-CN")) + ("worst_over_en", "ppl_increase_pct_wikitext2")),
 }
