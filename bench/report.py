@@ -64,10 +64,12 @@ DOC_TABLES = {
                     "compare_llamacpp_qwen2.5-coder-0.5b_speed_avx512",
                     "compare_runtimes_qwen2.5-coder-0.5b_avx512",
                     "compare_llamacpp_gemma3-270m_h4_avx512")},
-    "compare_runtimes_gemma3-270m_gptq-g128-h4_avx512": ("docs/models.md", (
+    **{stem: ("docs/models.md", (
         "decode_tok_s", "decode_tok_s:theirs", "ttft_ms", "ttft_ms:theirs", "peak_rss_mib",
         "peak_rss_mib:theirs", "decode_us_per_step", "decode_us_per_step:theirs", "nodes_per_step",
-        "nodes_per_step:theirs", "traced_step_us", "traced_step_us:theirs")),
+        "nodes_per_step:theirs", "traced_step_us", "traced_step_us:theirs", "outside_nodes_us_per_step",
+        "outside_nodes_us_per_step:theirs"))
+       for stem in ("compare_runtimes_gemma3-270m_gptq-g128-h4_avx512", "compare_runtimes_smollm2_ops_avx512")},
     "compare_llamacpp_longctx_avx512": ("docs/kv-cache.md", (
         "decode_tok_s", "decode_tok_s:theirs", "decode_ratio_paired", "decode_ratio_paired_min",
         "decode_ratio_paired_max", "peak_rss_mib", "peak_rss_mib:theirs", "kv_cache_mib", "kv_cache_mib:theirs")),
