@@ -74,27 +74,30 @@ def test_ten_thousand_tokens_without_rss_growth(smollm2_int4):
     assert r["tokens"] == 10_000
     s = r["samples"]
     T = r["seconds"]
-    # warm-up: the first 20% (the cache fills to 1,280 tokens, then the first re-prefill)
-    warm = [row[1] for row in s if row[0] <= 0.2 * T]
-    after = [row[1] for row in s if row[0] > 0.2 * T]
+    # warm-up: the first 30% of the run. The cache fills at 1,152 new tokens and each
+    # re-prefill keeps 640, so re-prefills come at 11.5 %, 17.9 %, 24.3 % ... of the
+    # tokens; onnxruntime's arena grows at the first two (measured 2026-12-05: +50 MiB at
+    # ~10 % of the run, +22.5 MiB at ~20 %, then +0.4 MiB over the rest). A 20 % window
+    # put the second step on its edge.
+    WARM = 0.3
+    warm = [row[1] for row in s if row[0] <= WARM * T]
+    after = [row[1] for row in s if row[0] > WARM * T]
     assert len(after) > 50
     base = max(warm)
     # the resident set split: anonymous (heap, KV cache, onnxruntime's arenas) and
     # file-backed (the mapped weights), each as warm-up max -> max of the last quarter
-    split = {name: (max(row[i] for row in s if row[0] <= 0.2 * T),
+    split = {name: (max(row[i] for row in s if row[0] <= WARM * T),
                     max(row[i] for row in s if row[0] > 0.75 * T)) for name, i in (("anon", 2), ("file", 3))}
     print(f"10,000 tokens in {T:.0f} s; RSS after warm-up {base / MiB:.1f} MiB, "
           f"max later {max(after) / MiB:.1f} MiB, last {after[-1] / MiB:.1f} MiB; "
           + ", ".join(f"{k} {a / MiB:.1f} -> {b / MiB:.1f} MiB" for k, (a, b) in split.items()))
     # bounded growth: the last quarter's maximum stays within 12 MiB of the warm-up
-    # maximum. When this test was written it stayed within 2 MiB; on 2026-12-04 it grew
-    # +5.6 and +6.4 MiB on an idle host (+3.5 MiB under load), the last samples at the
-    # maximum. On 2026-12-05 (export max_length 2,048, 1 thread, another host) the growth
-    # was anonymous memory in one step at the first re-prefill (+46 MiB: the prefill of
-    # 1,024 tokens' buffers), then +0.5 MiB over the next 6,000 tokens (the result's token
-    # and step-time lists, ~80 B a token); the file-backed part did not grow. Whether the
-    # growth seen here is a later re-prefill's arena extension is not established yet. The
-    # bound still catches a leak of 2 KiB a token or more (~15 MiB by the last quarter)
+    # maximum. 2026-12-04 (AVX2 host, 20 % warm-up window): +5.6 and +6.4 MiB, the last
+    # samples at the maximum. 2026-12-05 (AVX-512 host, this export, quiet): +0.4 MiB after
+    # the arena's two steps, all of it anonymous (the result's token and step-time lists,
+    # ~80 B a token), the file-backed part flat. Whether the AVX2 host's growth was a third
+    # arena step is not established. The bound still catches a leak of 2 KiB a token or
+    # more (~15 MiB by the last quarter)
     last = [row[1] for row in s if row[0] > 0.75 * T]
     assert max(last) - base <= 12 * MiB
     assert max(after) - base <= 12 * MiB
