@@ -240,7 +240,7 @@ class Session(GenerationLoop):
                                                          self.meta.get("qdq_accuracy_level"))
         if acc is not None:
             so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(int(acc)))
-        if getattr(self, "profile_prefix", None):
+        if self.profile_prefix:
             so.enable_profiling = True
             so.profile_file_prefix = self.profile_prefix
         return so
@@ -252,7 +252,7 @@ class Session(GenerationLoop):
         Raises:
             GenerationError: the session was not loaded with ``profile_prefix``.
         """
-        if not getattr(self, "profile_prefix", None):
+        if not self.profile_prefix:
             raise GenerationError("this session is not profiling",
                                   "load it with runtime.load(folder, profile_prefix='trace')")
         return Path(self.sess.end_profiling())
@@ -536,8 +536,7 @@ def load(folder, device: str = "cpu", threads: Optional[int] = None,
         meta = {}   # Session reports missing/corrupt metadata / a non-path with a clear error
     cls = session_class(meta if isinstance(meta, dict) else {}, Session)
     return cls(folder, device=device, threads=threads, max_length=max_length,
-               context_policy=context_policy, huge_pages=huge_pages,
-               **({} if profile_prefix is None else {"profile_prefix": profile_prefix}))
+               context_policy=context_policy, huge_pages=huge_pages, profile_prefix=profile_prefix)
 
 
 __all__ = ["load", "Session", "GenerationResult"]

@@ -23,6 +23,8 @@ from typing import Union
 
 from edgeprune_runtime.errors import DeviceError
 
+from .report import _table
+
 
 def _events(trace) -> list:
     if isinstance(trace, (str, Path)):
@@ -42,30 +44,25 @@ def _events(trace) -> list:
 
 
 def _tally(runs: list, nodes: list) -> dict:
-    """Per-op-type sums over ``runs`` (each ``(ts, dur)``), ``nodes`` sorted by ``ts``."""
+    """Per-op-type sums over ``runs`` (each ``(ts, dur)``), ``nodes`` ``(ts, dur, op)`` sorted by ``ts``."""
     by, count = defaultdict(float), defaultdict(int)
-    in_nodes = 0.0
     j = 0
     for ts, dur in runs:
-        while j < len(nodes) and nodes[j]["ts"] < ts:
+        while j < len(nodes) and nodes[j][0] < ts:
             j += 1
-        k = j
-        while k < len(nodes) and nodes[k]["ts"] <= ts + dur:
-            e = nodes[k]
-            op = (e.get("args") or {}).get("op_name") or "?"
-            by[op] += float(e.get("dur", 0))
+        while j < len(nodes) and nodes[j][0] <= ts + dur:
+            _, d, op = nodes[j]
+            by[op] += d
             count[op] += 1
-            in_nodes += float(e.get("dur", 0))
-            k += 1
-        j = k
+            j += 1
     n = max(len(runs), 1)
-    step = statistics.median(d for _, d in runs) if runs else 0.0
     mean = sum(d for _, d in runs) / n
+    in_nodes = sum(by.values()) / n
     ops = [{"op": op, "us_per_run": by[op] / n, "nodes_per_run": count[op] / n,
             "share": by[op] / (mean * n) if mean > 0 else 0.0}
            for op in sorted(by, key=lambda o: -by[o])]
-    return {"runs": len(runs), "run_us_median": step, "run_us_mean": mean,
-            "nodes_us_per_run": in_nodes / n, "outside_nodes_us_per_run": mean - in_nodes / n,
+    return {"runs": len(runs), "run_us_median": statistics.median(d for _, d in runs) if runs else 0.0,
+            "run_us_mean": mean, "nodes_us_per_run": in_nodes, "outside_nodes_us_per_run": mean - in_nodes,
             "ops": ops}
 
 
@@ -103,10 +100,9 @@ def op_breakdown(trace: Union[str, Path, list, dict], decode_steps: int) -> dict
         raise DeviceError(f"the profile holds {len(runs)} runs, fewer than the {decode_steps} decode "
                           "steps asked for", "profile the whole generation (enable profiling before "
                                              "the session is built, end it after the generation)")
-    nodes = sorted((e for e in ev if e.get("cat") == "Node" and str(e.get("name", "")).endswith("_kernel_time")
-                    and "ts" in e), key=lambda e: float(e["ts"]))
-    for e in nodes:
-        e["ts"] = float(e["ts"])
+    nodes = sorted((float(e["ts"]), float(e.get("dur", 0)), (e.get("args") or {}).get("op_name") or "?")
+                   for e in ev if e.get("cat") == "Node" and str(e.get("name", "")).endswith("_kernel_time")
+                   and "ts" in e)
     dec = runs[-decode_steps:]
     pre = runs[-decode_steps - 1:-decode_steps] if len(runs) > decode_steps else []
     return {"decode": _tally(dec, nodes), "prefill": _tally(pre, nodes) if pre else None}
@@ -126,9 +122,7 @@ def format_ops(breakdown: dict, top: int = 12) -> list[str]:
                      f"{sum(o['nodes_per_run'] for o in rest):.0f}"])
     out = d["outside_nodes_us_per_run"]
     rows.append(["(outside nodes: session)", f"{out:,.0f}", f"{out / d['run_us_mean']:.1%}" if d["run_us_mean"] else "—", ""])
-    head, body = rows[0], rows[1:]
-    return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-            + ["| " + " | ".join(r) + " |" for r in body])
+    return _table(rows[0], rows[1:])
 
 
 __all__ = ["op_breakdown", "format_ops"]
