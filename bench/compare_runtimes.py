@@ -83,21 +83,29 @@ def _vm_hwm() -> int:
 
 
 def worker_ours(folder: str, threads: int, ids: list[int], new: int,
-                max_length: int = MAX_LENGTH) -> dict:
+                max_length: int = MAX_LENGTH, trace: Optional[str] = None) -> dict:
+    """A warm-up, then one generation of ``new`` tokens by our runtime. ``trace``: traced by
+    onnxruntime's profiler (``runtime.load(profile_prefix=...)``), the trace moved there."""
     import edgeprune_runtime as runtime
     t0 = time.perf_counter()
-    s = runtime.load(folder, threads=threads, max_length=max_length)
+    s = runtime.load(folder, threads=threads, max_length=max_length,
+                     profile_prefix=trace and str(Path(trace).with_suffix("")) + "-ort")
     load_s = time.perf_counter() - t0
     s.eos_token_ids = []                      # always generate `new` tokens
     s.generate(ids[:16], max_new_tokens=4)    # warm-up (kernels, arena)
     r = s.generate(ids, max_new_tokens=new)
+    if trace:
+        shutil.move(str(s.end_profiling()), trace)
     return {"decode_tok_s": r.decode_tok_s, "ttft_ms": r.ttft_ms, "load_s": load_s,
             "n_tokens": len(r.token_ids[0]), "peak_rss_bytes": _vm_hwm(),
             "tokens": r.token_ids[0][:16]}
 
 
 def worker_genai(folder: str, threads: int, ids: list[int], new: int,
-                 max_length: int = MAX_LENGTH) -> dict:
+                 max_length: int = MAX_LENGTH, trace: Optional[str] = None) -> dict:
+    """The same with onnxruntime-genai. ``trace``: the folder's ``genai_config.json`` turns
+    its profiler on (:func:`_thread_folder` ``profile``); the trace, written when the model
+    is released, is moved there."""
     import numpy as np
     import onnxruntime_genai as og
     t0 = time.perf_counter()
@@ -126,6 +134,14 @@ def worker_genai(folder: str, threads: int, ids: list[int], new: int,
     run(ids[:16], 4)
     out, ttft, dec = run(ids, new)
     tokenizer.decode(np.array(out, dtype=np.int32))
+    if trace:
+        prefix = json.loads((Path(folder) / "genai_config.json").read_text()
+                            )["model"]["decoder"]["session_options"]["enable_profiling"]
+        del tokenizer, model                  # the session writes its trace when released
+        got = sorted(Path(prefix).parent.glob(Path(prefix).name + "*.json"))
+        if not got:
+            raise RuntimeError("onnxruntime-genai wrote no profile")
+        shutil.move(str(got[-1]), trace)
     return {"decode_tok_s": (len(out) - 1) / dec, "ttft_ms": ttft * 1e3, "load_s": load_s,
             "n_tokens": len(out), "peak_rss_bytes": _vm_hwm(), "tokens": out[:16]}
 
@@ -174,62 +190,6 @@ def worker_genai_ppl(folder: str, windows_json: str, threads: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
-def worker_ours_ops(folder: str, threads: int, ids: list[int], new: int, max_length: int,
-                    trace: str) -> dict:
-    """Our runtime traced by onnxruntime's profiler (``runtime.load(profile_prefix=...)``):
-    a warm-up, then one generation of ``new`` tokens; the trace is moved to ``trace``."""
-    import edgeprune_runtime as runtime
-    s = runtime.load(folder, threads=threads, max_length=max_length,
-                     profile_prefix=str(Path(trace).with_suffix("")) + "-ort")
-    s.eos_token_ids = []
-    s.generate(ids[:16], max_new_tokens=2)
-    s.generate(ids, max_new_tokens=new)
-    shutil.move(str(s.end_profiling()), trace)
-    s.close()
-    return {"trace": trace}
-
-
-def worker_genai_ops(folder: str, threads: int, ids: list[int], new: int, max_length: int,
-                     trace: str) -> dict:
-    """onnxruntime-genai with its session's profiler on (``session_options.enable_profiling``
-    in a copy of ``genai_config.json``): a warm-up, then one generation of ``new`` tokens;
-    the trace (written when the model is released) is moved to ``trace``."""
-    import tempfile
-
-    import numpy as np
-    import onnxruntime_genai as og
-    tmp = Path(tempfile.mkdtemp(prefix="genai-ops-"))
-    try:
-        for f in Path(folder).iterdir():
-            if f.name != "genai_config.json":
-                (tmp / f.name).symlink_to(f.resolve())
-        cfg = json.loads((Path(folder) / "genai_config.json").read_text())
-        so = cfg["model"]["decoder"].setdefault("session_options", {})
-        so.update({"enable_profiling": str(tmp / "ort"), "intra_op_num_threads": threads,
-                   "inter_op_num_threads": 1})
-        (tmp / "genai_config.json").write_text(json.dumps(cfg))
-        model = og.Model(og.Config(str(tmp)))
-
-        def run(prompt, n):
-            params = og.GeneratorParams(model)
-            params.set_search_options(max_length=max_length, min_length=len(prompt) + n, do_sample=False)
-            gen = og.Generator(model, params)
-            gen.append_tokens(np.array(prompt, dtype=np.int32))
-            for _ in range(n):
-                gen.generate_next_token()
-            del gen
-        run(ids[:16], 2)
-        run(ids, new)
-        del model
-        got = sorted(tmp.glob("ort*.json"))
-        if not got:
-            raise RuntimeError("onnxruntime-genai wrote no profile")
-        shutil.move(str(got[-1]), trace)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return {"trace": trace}
-
-
 def op_records(case: str, ours: dict, theirs: Optional[dict]) -> list[dict]:
     """Records of two :func:`edgeprune_devices.profiler.ops.op_breakdown` results (ours,
     the peer's; decode steps): per operator type ``decode_us_per_step`` and
@@ -263,11 +223,11 @@ def _max_length(theirs: Optional[Path]) -> int:
 
 
 def _run_worker(py: Path, impl: str, folder: Path, threads: int, prompt: Path, new: int,
-                timeout: float = 600, max_length: int = MAX_LENGTH) -> dict:
+                timeout: float = 600, max_length: int = MAX_LENGTH, trace: Optional[Path] = None) -> dict:
     import psutil
     cmd = [str(py), str(Path(__file__).resolve()), "--worker", impl, "--folder", str(folder),
            "--threads", str(threads), "--prompt", str(prompt), "--new", str(new),
-           "--max-length", str(max_length)]
+           "--max-length", str(max_length)] + (["--trace", str(trace)] if trace else [])
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=benchlib.worker_env(OMP_NUM_THREADS=threads))
     proc = psutil.Process(p.pid)
@@ -424,9 +384,10 @@ def _prepare(work: Path, log, rebuild: bool, quick: bool) -> dict:
     return info
 
 
-def _thread_folder(base: Path, threads: int) -> Path:
-    """A copy of the genai folder whose genai_config.json pins intra_op_num_threads."""
-    d = base.parent / f"{base.name}-t{threads}"
+def _thread_folder(base: Path, threads: int, profile: Optional[Path] = None) -> Path:
+    """A copy of the genai folder whose genai_config.json pins intra_op_num_threads
+    (``profile``: and turns onnxruntime's profiler on, traces named ``<profile>_<date>.json``)."""
+    d = base.parent / f"{base.name}-t{threads}{'-ops' if profile else ''}"
     d.mkdir(exist_ok=True)
     for f in base.iterdir():
         if f.name != "genai_config.json" and not (d / f.name).exists():
@@ -435,31 +396,33 @@ def _thread_folder(base: Path, threads: int) -> Path:
     so = cfg["model"]["decoder"].setdefault("session_options", {})
     so["intra_op_num_threads"] = threads
     so["inter_op_num_threads"] = 1
+    if profile:
+        so["enable_profiling"] = str(profile)
     cfg["search"]["max_length"] = MAX_LENGTH
     (d / "genai_config.json").write_text(json.dumps(cfg, indent=2))
     return d
 
 
 def _ops(info: dict, threads, name: str, work: Path, max_len: int, log) -> list[dict]:
-    """``--ops``: both sides traced (workers ``ours_ops`` / ``genai_ops``), a decode step
-    by operator type side by side (printed, and :func:`op_records`)."""
+    """``--ops``: one more traced run of each side's worker (``trace``; theirs on a
+    :func:`_thread_folder` with the profiler on), a decode step by operator type side by
+    side (printed, and :func:`op_records`)."""
     from edgeprune_devices.profiler.ops import op_breakdown
 
     records = []
     for t in threads:
         got = {}
-        for side, py, folder in (("ours", Path(sys.executable), info.get("ours")),
-                                 ("theirs", info.get("genai_py"), info.get("theirs"))):
+        for side, py, impl, folder in (
+                ("ours", Path(sys.executable), "ours", info.get("ours")),
+                ("theirs", info.get("genai_py"), "genai",
+                 info.get("theirs") and _thread_folder(info["theirs"], t, work / f"genai-ort-t{t}"))):
             if folder is None or py is None:
                 continue
             trace = work / f"trace-{side}-t{t}.json"
-            cmd = [str(py), str(Path(__file__).resolve()), "--worker", f"{side if side == 'ours' else 'genai'}_ops",
-                   "--folder", str(folder), "--threads", str(t), "--prompt", str(info["prompt"]),
-                   "--new", str(NEW_TOKENS), "--max-length", str(max_len), "--trace", str(trace)]
-            r = subprocess.run(cmd, capture_output=True, text=True, env=benchlib.worker_env(OMP_NUM_THREADS=t))
-            if r.returncode or not trace.exists():
+            r = _run_worker(py, impl, folder, t, info["prompt"], NEW_TOKENS, max_length=max_len, trace=trace)
+            if "error" in r or not trace.exists():
                 records.append(benchlib.error_record(f"{name}-t{t}/op", f"{side} trace failed: "
-                                                     f"{(r.stderr or r.stdout)[-800:]}", peer=PEER))
+                                                     f"{r.get('error', 'no trace written')[-800:]}", peer=PEER))
                 continue
             got[side] = op_breakdown(trace, decode_steps=NEW_TOKENS - 1)
         if "ours" not in got:
@@ -528,8 +491,7 @@ def main(argv=None) -> int:
                          "profiler and compare a decode step by operator type (records "
                          "<case>/op/<type> decode_us_per_step, nodes_per_step; traced steps are "
                          "slower than timed ones: compare the shares)")
-    ap.add_argument("--worker", choices=["ours", "genai", "genai_ppl", "ours_ops", "genai_ops"],
-                    help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["ours", "genai", "genai_ppl"], help=argparse.SUPPRESS)
     ap.add_argument("--trace", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--prompt", help=argparse.SUPPRESS)
@@ -539,15 +501,10 @@ def main(argv=None) -> int:
     if a.worker == "genai_ppl":
         print(json.dumps(worker_genai_ppl(a.folder, a.prompt, a.threads[0])))
         return 0
-    if a.worker in ("ours_ops", "genai_ops"):
-        ids = json.loads(Path(a.prompt).read_text())
-        fn = worker_ours_ops if a.worker == "ours_ops" else worker_genai_ops
-        print(json.dumps(fn(a.folder, a.threads[0], ids, a.new, a.max_length, a.trace)))
-        return 0
     if a.worker:
         ids = json.loads(Path(a.prompt).read_text())
         fn = worker_ours if a.worker == "ours" else worker_genai
-        print(json.dumps(fn(a.folder, a.threads[0], ids, a.new, a.max_length)))
+        print(json.dumps(fn(a.folder, a.threads[0], ids, a.new, a.max_length, a.trace)))
         return 0
 
     smol = a.model == benchlib.SMOLLM2

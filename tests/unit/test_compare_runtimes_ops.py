@@ -38,16 +38,17 @@ def test_op_records_pair_every_type_of_either_side(benchlib):
     assert {r["theirs"] for r in alone} == {None}
 
 
-def test_ours_ops_worker_traces_exactly_one_generation(benchlib, tmp_path):
+def test_ours_worker_traces_the_warm_up_and_one_generation(benchlib, tmp_path):
     from edgeprune_devices.profiler.ops import op_breakdown
 
     cr = load_bench("compare_runtimes")
     folder, _, _ = export_tiny_llama(tmp_path / "tiny")
     trace = tmp_path / "t.json"
     ids = list(range(3, 23))
-    assert cr.worker_ours_ops(str(folder), 1, ids, 6, 64, str(trace)) == {"trace": str(trace)}
+    r = cr.worker_ours(str(folder), 1, ids, 6, 64, trace=str(trace))
+    assert r["n_tokens"] == 6
     runs = [e for e in json.loads(trace.read_text()) if e.get("name") == "model_run"]
-    assert len(runs) == 2 + 6                  # warm-up (prefill + 1 step), prefill + 5 steps
+    assert len(runs) == 4 + 6                  # warm-up (prefill + 3 steps), prefill + 5 steps
     b = op_breakdown(trace, decode_steps=5)
     assert b["decode"]["runs"] == 5 and b["prefill"]["runs"] == 1
     assert {o["op"] for o in b["decode"]["ops"]} >= {"GroupQueryAttention"}
