@@ -147,11 +147,20 @@ def load_backend(path: str | Path, min_bytes: int = COMPACT_LOAD_MIN_BYTES):
             (``json.JSONDecodeError``, ``UnicodeDecodeError``) for one that is not JSON.
     """
     from tokenizers import Tokenizer as _HFTok
-    from tokenizers import models
 
     path = Path(path)
-    if path.stat().st_size < min_bytes:
-        return _HFTok.from_file(str(path))
+    backend = _compact_bpe(path) if path.stat().st_size >= min_bytes else None
+    # a file _compact_bpe does not build has had its parse freed on return
+    return backend if backend is not None else _HFTok.from_file(str(path))
+
+
+def _compact_bpe(path: Path):
+    """:func:`load_backend`'s own build of a BPE ``tokenizer.json``; ``None`` for any file
+    it does not read exactly as ``from_file`` would (another model type, an unknown model
+    option, dropout, merges that are not pairs, malformed added tokens)."""
+    from tokenizers import Tokenizer as _HFTok
+    from tokenizers import models
+
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     model = data.get("model") if isinstance(data, dict) else None
@@ -161,23 +170,19 @@ def load_backend(path: str | Path, min_bytes: int = COMPACT_LOAD_MIN_BYTES):
     if not (isinstance(model, dict) and model.get("type") == "BPE" and set(model) <= known
             and isinstance(model.get("vocab"), dict) and isinstance(model.get("merges"), list)
             and isinstance(added, list) and model.get("dropout") is None):
-        del data, model
-        return _HFTok.from_file(str(path))
+        return None
     vocab, merges = model.pop("vocab"), model.pop("merges")
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in vocab.values()):
-        del data, model, vocab, merges
-        return _HFTok.from_file(str(path))
+        return None
     for i, m in enumerate(merges):          # in place: each "a b" string freed as it is split
         pair = m.split(" ") if isinstance(m, str) else m
         if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
-            del data, model, vocab, merges
-            return _HFTok.from_file(str(path))
+            return None
         merges[i] = (pair[0], pair[1])
     try:
         placeholder = {a["content"]: a["id"] for a in added}
     except (KeyError, TypeError):
-        del data, model, vocab, merges
-        return _HFTok.from_file(str(path))
+        return None
     opts = {k: model[k] for k in ("unk_token", "continuing_subword_prefix", "end_of_word_suffix",
                                   "fuse_unk", "byte_fallback", "ignore_merges")
             if model.get(k) is not None}
