@@ -10,7 +10,7 @@ The profiler's own bookkeeping slows each node a little, so a profiled step is l
 a timed one: read the shares, not the absolute figures, and take speeds from the timed
 runs. Pure Python (``json``, ``statistics``): the same parser reads a peer's trace
 (onnxruntime-genai writes the same format), which is how ``bench/compare_runtimes.py --ops``
-puts both graphs side by side.
+puts both graphs side by side. ``report.format_ops`` renders it as a table.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from pathlib import Path
 from typing import Union
 
 from edgeprune_runtime.errors import DeviceError
-
-from .report import _table
 
 
 def _events(trace) -> list:
@@ -108,21 +106,4 @@ def op_breakdown(trace: Union[str, Path, list, dict], decode_steps: int) -> dict
     return {"decode": _tally(dec, nodes), "prefill": _tally(pre, nodes) if pre else None}
 
 
-def format_ops(breakdown: dict, top: int = 12) -> list[str]:
-    """Markdown table lines of :func:`op_breakdown`'s decode steps: the ``top`` operator
-    types by time, then the rest and the time outside any node, per step."""
-    d = breakdown["decode"]
-    rows = [["op type", "µs per step", "share", "nodes per step"]]
-    for o in d["ops"][:top]:
-        rows.append([o["op"], f"{o['us_per_run']:,.0f}", f"{o['share']:.1%}", f"{o['nodes_per_run']:.0f}"])
-    rest = d["ops"][top:]
-    if rest:
-        us = sum(o["us_per_run"] for o in rest)
-        rows.append([f"{len(rest)} other types", f"{us:,.0f}", f"{us / d['run_us_mean']:.1%}" if d["run_us_mean"] else "—",
-                     f"{sum(o['nodes_per_run'] for o in rest):.0f}"])
-    out = d["outside_nodes_us_per_run"]
-    rows.append(["(outside nodes: session)", f"{out:,.0f}", f"{out / d['run_us_mean']:.1%}" if d["run_us_mean"] else "—", ""])
-    return _table(rows[0], rows[1:])
-
-
-__all__ = ["op_breakdown", "format_ops"]
+__all__ = ["op_breakdown"]

@@ -23,6 +23,23 @@ def _table(head: list, rows: list) -> list[str]:
             + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def format_ops(breakdown: dict, top: int = 12) -> list[str]:
+    """Markdown table lines of :func:`~devices.profiler.ops.op_breakdown`'s decode steps: the ``top`` operator
+    types by time, then the rest and the time outside any node, per step."""
+    d = breakdown["decode"]
+    rows = [["op type", "µs per step", "share", "nodes per step"]]
+    for o in d["ops"][:top]:
+        rows.append([o["op"], f"{o['us_per_run']:,.0f}", f"{o['share']:.1%}", f"{o['nodes_per_run']:.0f}"])
+    rest = d["ops"][top:]
+    if rest:
+        us = sum(o["us_per_run"] for o in rest)
+        rows.append([f"{len(rest)} other types", f"{us:,.0f}", f"{us / d['run_us_mean']:.1%}" if d["run_us_mean"] else "—",
+                     f"{sum(o['nodes_per_run'] for o in rest):.0f}"])
+    out = d["outside_nodes_us_per_run"]
+    rows.append(["(outside nodes: session)", f"{out:,.0f}", f"{out / d['run_us_mean']:.1%}" if d["run_us_mean"] else "—", ""])
+    return _table(rows[0], rows[1:])
+
+
 def model_name(meta: dict, folder: Union[str, Path]) -> str:
     """The model an export was made from, for titles: the source the user named (an
     alias such as ``smollm2-135m``, a file or folder name) from ``edgeprune.json``'s
@@ -169,7 +186,6 @@ class ProfileReport:
             if self.plot_path:
                 out += ["", f"Plot: `{self.plot_path}`"]
         if m.get("ops"):
-            from .ops import format_ops
             d = m["ops"]["decode"]
             out += ["", f"Decode step by operator type (onnxruntime's profiler, {d['runs']} steps of one "
                         f"more generation; traced steps take {d['run_us_median'] / 1000:.2f} ms, slower than "

@@ -271,7 +271,8 @@ def _trace():
 
 
 def test_op_breakdown_sums_nodes_by_type_per_step(tmp_path):
-    from edgeprune_devices.profiler.ops import format_ops, op_breakdown
+    from edgeprune_devices.profiler.ops import op_breakdown
+    from edgeprune_devices.profiler.report import format_ops
 
     p = tmp_path / "trace.json"
     p.write_text(json.dumps(_trace()))
