@@ -17,6 +17,14 @@ of the paper, as implemented by :func:`gptq_quantize`:
    when the quantizer reaches the group's first column (from the error-updated
    weights), as in the reference code.
 
+``clip_search`` (off by default) picks each group's grid by AWQ's clipping search instead
+of its min/max: the range shrink ``c in {1, 1-1/n_grid, ..., 1-max_shrink}`` minimizing
+``dw H_gg dw^T``, the group's share of the layer loss with ``H`` restricted to its columns
+(Lin et al. 2024, AWQ's ``auto_clip``; the reference GPTQ code's ``--mse`` grid search
+minimizes the unweighted error instead). It applies to static grids (from the original
+weights), per-row grids, and dynamic grids (from the error-updated weights when the
+quantizer reaches the group).
+
 ``act_order`` ("desc_act") quantizes columns in order of decreasing ``H_jj``. With
 dynamic groups the groups are then contiguous *in that order*, so a column's group is
 ``g_idx[j] = position_of_j // group_size`` (non-monotone); with ``static_groups`` the
@@ -42,6 +50,8 @@ from typing import Optional
 import torch
 
 from ..quantize import QuantizedWeight, check_quant_args, qparams, rtn_quantize
+from ..errors import ConfigError
+from .awq import search_clip
 from .base import LayerResult, LayerTask, Method
 from .config import QuantOptions, check_sweep
 from .obs import (OBSSweep, StackedGroup, damped_cholesky_inverse, damping_note, fix_dead_channels,
@@ -56,6 +66,9 @@ class GPTQConfig(QuantOptions):
     ``act_order`` / ``static_groups``: see the module docstring. ``damp_percent``: the
     damping as a fraction of ``mean(diag(H))``. ``blocksize``: lazy-batch block width.
 
+    ``clip_search``: choose each group's grid by the clipping search (module docstring),
+    over ``n_grid`` steps down to ``1 - max_shrink``.
+
     ``true_sequential`` (default on, the reference code's ``--true-sequential``): within a
     block the linears are quantized in forward order, group by group (``[q,k,v]``, ``[o]``,
     ``[gate,up]``, ``[down]``), each group's Hessian gathered from the outputs of the
@@ -68,18 +81,26 @@ class GPTQConfig(QuantOptions):
     damp_percent: float = 0.01
     blocksize: int = 128
     true_sequential: bool = True
+    clip_search: bool = False
+    n_grid: int = 100
+    max_shrink: float = 0.2
     method = "gptq"
 
     def validate(self) -> None:
         """Raises :class:`ConfigError` on a bad grid, damping or block size."""
         super().validate()
         check_sweep(self, "damp_percent")
+        if self.n_grid < 1:
+            raise ConfigError(f"n_grid={self.n_grid} must be >= 1", "use e.g. 100")
+        if not 0.0 <= self.max_shrink < 1.0:
+            raise ConfigError(f"max_shrink={self.max_shrink} must be in [0, 1)", "use e.g. 0.2")
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 64,
                   sym: bool = False, act_order: bool = False, static_groups: bool = False,
                   damp_percent: float = 0.01, blocksize: int = 128,
-                  mask: Optional[torch.Tensor] = None, tries: int = 4, name: str = "layer"
+                  mask: Optional[torch.Tensor] = None, tries: int = 4, name: str = "layer",
+                  clip_search: bool = False, n_grid: int = 100, max_shrink: float = 0.2
                   ) -> tuple[Optional[QuantizedWeight], dict]:
     """Quantize ``W`` with GPTQ (Algorithm 1 of Frantar et al. 2023).
 
@@ -93,6 +114,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
         blocksize: lazy-batch block width (columns).
         mask: optional ``bool [out, in]`` keep-mask; pruned weights stay exactly zero.
         tries: damping attempts (x10 each) before giving up.
+        clip_search: choose each group's grid by the clipping search over ``n_grid``
+            steps down to ``1 - max_shrink`` (module docstring) instead of min/max.
 
     Returns:
         ``(qweight, info)``: :class:`QuantizedWeight` with codes in the original column
@@ -113,12 +136,20 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
         W = W * mask
     H = fix_dead_channels(H.detach().float().to(dev))
 
+    def grid(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scale and zero ``[out, 1]`` of one group ``w [out, k]`` (``h``: its ``[k, k]`` block of H)."""
+        if not clip_search:
+            return qparams(w, bits, sym)
+        c = search_clip(w, h, bits=bits, group_size=-1, sym=sym, n_grid=n_grid, max_shrink=max_shrink)
+        return qparams(w, bits, sym, clip=c)
+
     static_s = static_z = None
     if static_groups and gs < cols:
         static_s = torch.empty(out, n_groups, device=dev)
         static_z = torch.empty(out, n_groups, device=dev)
         for g in range(n_groups):
-            s, z = qparams(W[:, g * gs:(g + 1) * gs], bits, sym)
+            sl = slice(g * gs, (g + 1) * gs)
+            s, z = grid(W[:, sl], H[sl, sl])
             static_s[:, g], static_z[:, g] = s[:, 0], z[:, 0]
 
     perm = None
@@ -139,7 +170,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
     zeros = torch.zeros(out, n_groups, device=dev)
     cur = {}
     if gs == cols:  # one group per row: grid from the whole row (order irrelevant)
-        s, z = qparams(W, bits, sym)
+        s, z = grid(W, H)
         scales[:, 0], zeros[:, 0] = s[:, 0], z[:, 0]
         cur["s"], cur["z"] = s[:, 0], z[:, 0]
     maskt = None if mask is None else mask.t().contiguous()
@@ -154,7 +185,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
             seg = sweep.fresh(col, col + gs)
             if mask is not None:
                 seg = seg * mask[:, col:col + gs]
-            s2, z2 = qparams(seg, bits, sym)
+            s2, z2 = grid(seg, H[col:col + gs, col:col + gs])
             cur["s"], cur["z"] = s2[:, 0], z2[:, 0]
             scales[:, g], zeros[:, g] = cur["s"], cur["z"]
         s, z = cur["s"], cur["z"]
@@ -178,7 +209,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
     qw = QuantizedWeight(codes=codes.to(torch.uint8).cpu(), scales=scales.float().cpu(),
                          zeros=zeros.to(torch.uint8).cpu(), bits=bits, group_size=gs, sym=sym, g_idx=g_idx,
                          meta={"method": "gptq", "damp": damp, "act_order": act_order,
-                               "static_groups": bool(static_groups)})
+                               "static_groups": bool(static_groups),
+                               "clip_search": bool(clip_search)})
     return qw, info
 
 
@@ -205,7 +237,8 @@ class GPTQ(Method):
             qw, info = gptq_quantize(W, g.stats.hessian, bits=c.bits, group_size=c.group_size, sym=c.sym,
                                      act_order=c.act_order, static_groups=c.static_groups,
                                      damp_percent=c.damp_percent, blocksize=c.blocksize, mask=g.mask,
-                                     name=tasks[0].name)
+                                     name=tasks[0].name, clip_search=c.clip_search, n_grid=c.n_grid,
+                                     max_shrink=c.max_shrink)
             note = damping_note(names, info["attempts"], qw is None, "RTN")
             if note:
                 notes.append(note)

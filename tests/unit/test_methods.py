@@ -162,6 +162,30 @@ def test_gptq_act_order_codes_in_original_order():
     assert qs.g_idx is None and torch.allclose(qs.scales, rtn.scales)
 
 
+@pytest.mark.parametrize("static", [True, False])
+def test_gptq_clip_search_lowers_layer_loss(static):
+    """clip_search picks each group's range shrink by its H-weighted loss: static grids are
+    only ever narrowed (c <= 1), at least one is, and the whole GPTQ result has a lower layer loss on heavy-tailed weights."""
+    W, _, H = _synthetic(out=32, inp=128)
+    W = W + 0.4 * torch.sign(W) * (torch.rand_like(W) < 0.02)   # a few outliers per row
+    kw = dict(bits=4, group_size=32, act_order=True, static_groups=static)
+    base, _ = gptq_quantize(W, H, **kw)
+    clip, _ = gptq_quantize(W, H, clip_search=True, **kw)
+    assert clip.meta["clip_search"] and not base.meta["clip_search"]
+    assert relative_error(W, clip.dequantize(), H) < relative_error(W, base.dequantize(), H)
+    if static:
+        assert not torch.equal(clip.scales, base.scales)
+        assert bool((clip.scales <= base.scales + 1e-6).all())   # shrinking only narrows a grid
+
+
+def test_gptq_clip_search_settings_checked():
+    from edgeprune.errors import ConfigError
+    with pytest.raises(ConfigError, match="n_grid"):
+        GPTQConfig(clip_search=True, n_grid=0).validate()
+    with pytest.raises(ConfigError, match="max_shrink"):
+        GPTQConfig(clip_search=True, max_shrink=1.0).validate()
+
+
 # ----------------------------------------------------------------------------- error ordering
 
 def test_error_ordering_pure_functions():
