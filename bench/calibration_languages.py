@@ -23,6 +23,9 @@ runs here (``peer``/``theirs`` null). Quality only: valid on a loaded machine.
 Usage::
 
     .venv/bin/python bench/calibration_languages.py --json bench/results/calibration_languages.json
+    # another recipe (case names get @best-w4-clip)
+    .venv/bin/python bench/calibration_languages.py --sources self --recipe bench/recipes/best-w4-clip.yaml \\
+        --json bench/results/calibration_languages_clip.json
     # reuse finished work: an export per source and/or its `edgeprune eval --json` output
     .venv/bin/python bench/calibration_languages.py --sources self --export self=runs/a/onnx-compressed \\
         --dense runs/a/onnx-dense --eval-json self=/tmp/eval-self.json --json /tmp/cl.json
@@ -84,6 +87,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dense", default=None, help="fp32 export of the dense model (default: built)")
     ap.add_argument("--eval-json", action="append", help="SOURCE=FILE: a finished `edgeprune eval --json` of it")
     ap.add_argument("--work", default=None, help="default bench/.cache/calibration_languages")
+    ap.add_argument("--recipe", default="best-w4", help="preset name or recipe file (default best-w4); "
+                                                        "another recipe adds @<its stem> to the case names")
     a = ap.parse_args(argv)
 
     sources = (a.sources or ("default,self-multilingual" if a.quick else "self,self-multilingual,default")).split(",")
@@ -93,17 +98,18 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     exports, evals = _pairs(a.export), _pairs(a.eval_json)
     dense = Path(a.dense) if a.dense else work / "dense"
+    suffix = "" if a.recipe == "best-w4" else "@" + Path(a.recipe).stem
     recs: list[dict] = []
     for src in sources:
         if src in evals:
             ev = json.loads(Path(evals[src]).read_text(encoding="utf-8"))
         else:
             name, _, ns = src.partition(":") if not Path(src).suffix else (src, "", "")
-            tag = (Path(name).stem if Path(name).suffix else name) + (f"-n{ns}" if ns else "")
+            tag = (Path(name).stem if Path(name).suffix else name) + (f"-n{ns}" if ns else "") + suffix
             ex = Path(exports.get(src) or work / f"int4-{tag}")
             if not (ex / "model.onnx").is_file():
                 ck = work / f"ckpt-{tag}"
-                _cli("compress", "smollm2-135m", "--recipe", "best-w4", "--calib", name, "--nsamples",
+                _cli("compress", "smollm2-135m", "--recipe", a.recipe, "--calib", name, "--nsamples",
                      ns or str(a.nsamples), "--threads", str(a.threads), "--out", str(ck), "--overwrite")
                 _cli("export", str(ck), str(ex), "--no-validate", "--threads", str(a.threads), "--overwrite")
             if not (dense / "model.onnx").is_file():
@@ -113,11 +119,11 @@ def main(argv=None) -> int:
             _cli("eval", str(ex), "--dense", str(dense), "--langs", str(NTREX), "--lang-lines", str(lines),
                  "--text", str(WIKI), "--nwindows", str(nwin), "--threads", str(a.threads), "--json", str(out))
             ev = json.loads(out.read_text(encoding="utf-8"))
-        rs = records_from_eval(src, ev)
+        rs = records_from_eval(src + suffix, ev)
         by = {r["metric"]: r["ours"] for r in rs}
         summary = ("ppl_increase_pct_en", "ppl_increase_pct_worst", "ppl_increase_pct_wikitext2")
         worst = max((k for k in by if k.startswith("ppl_increase_pct_") and k not in summary), key=by.get)
-        print(f"{src:20s} en {by['ppl_increase_pct_en']:+.1f} %  worst {worst[17:]} "
+        print(f"{src + suffix:20s} en {by['ppl_increase_pct_en']:+.1f} %  worst {worst[17:]} "
               f"{by['ppl_increase_pct_worst']:+.1f} %  worst/en {by['worst_over_en']:.2f}  "
               f"WikiText-2 {by.get('ppl_increase_pct_wikitext2', float('nan')):+.1f} %", flush=True)
         recs += rs

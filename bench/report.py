@@ -73,8 +73,9 @@ DOC_TABLES = {
     "compare_llamacpp_longctx_avx512": ("docs/kv-cache.md", (
         "decode_tok_s", "decode_tok_s:theirs", "decode_ratio_paired", "decode_ratio_paired_min",
         "decode_ratio_paired_max", "peak_rss_mib", "peak_rss_mib:theirs", "kv_cache_mib", "kv_cache_mib:theirs")),
-    "calibration_languages": ("docs/evaluation.md", tuple(f"ppl_increase_pct_{c}" for c in (
-        "eng", "arb", "deu", "fra", "rus", "spa", "zho-CN")) + ("worst_over_en", "ppl_increase_pct_wikitext2")),
+    **{stem: ("docs/evaluation.md", tuple(f"ppl_increase_pct_{c}" for c in (
+        "eng", "arb", "deu", "fra", "rus", "spa", "zho-CN")) + ("worst_over_en", "ppl_increase_pct_wikitext2"))
+       for stem in ("calibration_languages", "calibration_languages_clip")},
 }
 NO_RESULTS = ("No results are committed yet: run the benches with `--json bench/results/<script>.json` "
               "(e.g. `make bench-quick`), then `make bench-docs`.")
