@@ -132,6 +132,40 @@ def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits
     return quantize_codes(w, scale, zero, bits).sub_(zero).mul_(scale)
 
 
+
+def fake_quant_groups(W: torch.Tensor, bits: int, gs: int, sym: bool,
+                       clip: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """RTN fake-quantization of ``W [out, in]`` in groups of ``gs`` columns (the AWQ
+    searches' inner loop): :func:`qparams` grid, one group per row."""
+    out, inp = W.shape
+    Wg = W.reshape(out * (inp // gs), gs)
+    c = clip.reshape(-1, 1) if isinstance(clip, torch.Tensor) else clip
+    return fake_quantize(Wg, *qparams(Wg, bits, sym, c), bits).reshape(out, inp)
+
+
+def search_clip(W: torch.Tensor, H: torch.Tensor, *, bits: int, group_size: int, sym: bool,
+                n_grid: int = 20, max_shrink: float = 0.5) -> torch.Tensor:
+    """Per (row, group) clip ratio ``[out, n_groups]`` minimizing ``dw H_gg dw^T`` (AWQ's
+    auto-clip, Lin et al. 2024): ratios ``1, 1 - 1/n_grid, ...`` down to ``1 - max_shrink``,
+    ``W [out, in]``, ``H [in, in]`` the layer's calibration Hessian, ``dw`` the group's
+    rounding error at that ratio. Used by AWQ and by GPTQ's ``clip_search``."""
+    out, inp = W.shape
+    gs = inp if group_size == -1 else group_size
+    G = inp // gs
+    W = W.float()
+    Hb = torch.stack([H[g * gs:(g + 1) * gs, g * gs:(g + 1) * gs] for g in range(G)])  # [G, gs, gs]
+    best = torch.ones(out, G, device=W.device)
+    best_err = torch.full((out, G), float("inf"), device=W.device)
+    for i in range(max(1, int(max_shrink * n_grid))):
+        c = 1.0 - i / n_grid
+        d = (W - fake_quant_groups(W, bits, gs, sym, c)).reshape(out, G, gs)
+        err = torch.einsum("rgi,gij,rgj->rg", d, Hb, d)
+        better = err < best_err
+        best = torch.where(better, torch.full_like(best, c), best)
+        best_err = torch.where(better, err, best_err)
+    return best
+
+
 @dataclass
 class QuantizedWeight:
     """The integer form of one linear layer's weight ``W [out_features, in_features]``.
@@ -247,4 +281,4 @@ def rtn_quantize(w: torch.Tensor, bits: int = 4, group_size: int = DEFAULT_GROUP
 
 
 __all__ = ["QuantizedWeight", "check_quant_args", "qparams", "round_scale", "quantize_codes",
-           "fake_quantize", "rtn_quantize", "SUPPORTED_BITS", "DEFAULT_GROUP_SIZE"]
+           "fake_quant_groups", "search_clip", "fake_quantize", "rtn_quantize", "SUPPORTED_BITS", "DEFAULT_GROUP_SIZE"]

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..quantize import check_quant_args, fake_quantize, qparams, rtn_quantize
+from ..quantize import check_quant_args, fake_quant_groups, fake_quantize, qparams, rtn_quantize, search_clip
 from .base import LayerResult, LayerTask, Method, relative_error, single_thread
 from .config import QuantOptions
 from .registry import register_method
@@ -112,16 +112,6 @@ def awq_scales(x_mean: torch.Tensor, w_mean: Optional[torch.Tensor], ratio: floa
     return s, n_bad
 
 
-def _fake_quant_groups(W: torch.Tensor, bits: int, gs: int, sym: bool,
-                       clip: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """RTN fake-quantization of ``W [out, in]`` in groups of ``gs`` columns (the AWQ
-    searches' inner loop): :func:`edgeprune.quantize.qparams` grid, one group per row."""
-    out, inp = W.shape
-    Wg = W.reshape(out * (inp // gs), gs)
-    c = clip.reshape(-1, 1) if isinstance(clip, torch.Tensor) else clip
-    return fake_quantize(Wg, *qparams(Wg, bits, sym, c), bits).reshape(out, inp)
-
-
 def _w_mean(W: torch.Tensor, gs: int) -> torch.Tensor:
     out, inp = W.shape
     Wg = W.abs().reshape(out, inp // gs, gs)
@@ -165,7 +155,7 @@ def search_scale(W: torch.Tensor, H: torch.Tensor, x_mean: torch.Tensor, *, bits
     xm_t, wm_t = tied(xm), tied(wm)
 
     def loss_of(s):
-        d = W - _fake_quant_groups(W * s[None, :], bits, gs, sym).div_(s[None, :])
+        d = W - fake_quant_groups(W * s[None, :], bits, gs, sym).div_(s[None, :])
         return float(torch.einsum("ij,ij->", d @ H, d))
 
     ones = torch.ones(inp, device=W.device)
@@ -181,26 +171,6 @@ def search_scale(W: torch.Tensor, H: torch.Tensor, x_mean: torch.Tensor, *, bits
         if loss < best_loss:
             best_s, best_loss, best_ratio = s, loss, ratio
     return best_s, {"ratio": best_ratio, "loss": best_loss, "loss_rtn": loss_rtn, "n_bad": n_bad_total}
-
-
-def search_clip(W: torch.Tensor, H: torch.Tensor, *, bits: int, group_size: int, sym: bool,
-                n_grid: int = 20, max_shrink: float = 0.5) -> torch.Tensor:
-    """Per (row, group) clip ratio ``[out, n_groups]`` minimizing ``dw H_gg dw^T`` (AWQ auto-clip)."""
-    out, inp = W.shape
-    gs = inp if group_size == -1 else group_size
-    G = inp // gs
-    W = W.float()
-    Hb = torch.stack([H[g * gs:(g + 1) * gs, g * gs:(g + 1) * gs] for g in range(G)])  # [G, gs, gs]
-    best = torch.ones(out, G, device=W.device)
-    best_err = torch.full((out, G), float("inf"), device=W.device)
-    for i in range(max(1, int(max_shrink * n_grid))):
-        c = 1.0 - i / n_grid
-        d = (W - _fake_quant_groups(W, bits, gs, sym, c)).reshape(out, G, gs)
-        err = torch.einsum("rgi,gij,rgj->rg", d, Hb, d)
-        better = err < best_err
-        best = torch.where(better, torch.full_like(best, c), best)
-        best_err = torch.where(better, err, best_err)
-    return best
 
 
 def _clamp_to_clip(W: torch.Tensor, clip: torch.Tensor, gs: int, sym: bool) -> torch.Tensor:

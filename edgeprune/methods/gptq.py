@@ -49,9 +49,8 @@ from typing import Optional
 
 import torch
 
-from ..quantize import QuantizedWeight, check_quant_args, qparams, rtn_quantize
+from ..quantize import QuantizedWeight, check_quant_args, qparams, rtn_quantize, search_clip
 from ..errors import ConfigError
-from .awq import search_clip
 from .base import LayerResult, LayerTask, Method
 from .config import QuantOptions, check_sweep
 from .obs import (OBSSweep, StackedGroup, damped_cholesky_inverse, damping_note, fix_dead_channels,
