@@ -44,10 +44,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..errors import ConfigError
 from ..quantize import check_quant_args, fake_quant_groups, fake_quantize, qparams, rtn_quantize, search_clip
 from .base import LayerResult, LayerTask, Method, relative_error, single_thread
-from .config import QuantOptions
+from .config import QuantOptions, check_clip_grid
 from .registry import register_method
 
 _NO_CLIP = ("q_proj", "k_proj")
@@ -77,10 +76,7 @@ class AWQConfig(QuantOptions):
     def validate(self) -> None:
         """Raises :class:`ConfigError` on a bad grid or search setting."""
         super().validate()
-        if self.n_grid < 1:
-            raise ConfigError(f"n_grid={self.n_grid} must be >= 1", "use 20")
-        if not 0 <= self.max_shrink < 1:
-            raise ConfigError(f"max_shrink={self.max_shrink} must be in [0, 1)", "use 0.5")
+        check_clip_grid(self)
 
 
 def awq_scales(x_mean: torch.Tensor, w_mean: Optional[torch.Tensor], ratio: float,

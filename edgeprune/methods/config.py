@@ -152,6 +152,20 @@ def check_sweep(cfg, damping: str) -> None:
         raise ConfigError(f"blocksize={cfg.blocksize} must be positive", "use 128")
 
 
+def check_clip_grid(cfg) -> None:
+    """The clipping search's settings (AWQ, GPTQ's ``clip_search``): ``n_grid >= 1`` and
+    ``max_shrink`` in ``[0, 1)``; the fix names the config's own default.
+
+    Raises:
+        ConfigError: naming the setting and a valid value.
+    """
+    default = {f.name: f.default for f in dataclasses.fields(cfg)}
+    if cfg.n_grid < 1:
+        raise ConfigError(f"n_grid={cfg.n_grid} must be >= 1", f"use {default['n_grid']}")
+    if not 0 <= cfg.max_shrink < 1:
+        raise ConfigError(f"max_shrink={cfg.max_shrink} must be in [0, 1)", f"use {default['max_shrink']}")
+
+
 def _check_targets(cfg) -> None:
     for attr in ("targets", "ignore"):
         v = getattr(cfg, attr)

@@ -50,9 +50,8 @@ from typing import Optional
 import torch
 
 from ..quantize import QuantizedWeight, check_quant_args, qparams, rtn_quantize, search_clip
-from ..errors import ConfigError
 from .base import LayerResult, LayerTask, Method
-from .config import QuantOptions, check_sweep
+from .config import QuantOptions, check_clip_grid, check_sweep
 from .obs import (OBSSweep, StackedGroup, damped_cholesky_inverse, damping_note, fix_dead_channels,
                   split_rows, usable_hessian)
 from .registry import register_method
@@ -86,13 +85,10 @@ class GPTQConfig(QuantOptions):
     method = "gptq"
 
     def validate(self) -> None:
-        """Raises :class:`ConfigError` on a bad grid, damping or block size."""
+        """Raises :class:`ConfigError` on a bad grid, damping, block size or clipping search."""
         super().validate()
         check_sweep(self, "damp_percent")
-        if self.n_grid < 1:
-            raise ConfigError(f"n_grid={self.n_grid} must be >= 1", "use e.g. 100")
-        if not 0.0 <= self.max_shrink < 1.0:
-            raise ConfigError(f"max_shrink={self.max_shrink} must be in [0, 1)", "use e.g. 0.2")
+        check_clip_grid(self)
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 64,
