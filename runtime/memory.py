@@ -16,6 +16,7 @@ Linux-specific where it says so; elsewhere each function does nothing (or return
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from pathlib import Path
@@ -189,6 +190,7 @@ def _weight_ranges(folder: Path) -> list[tuple[int, int]]:
 
 
 _PAGE = 4096
+MADV_PAGEOUT = 21                            # Linux 5.4+: reclaim, never discard
 _PRESENT, _FILE_PAGE = 1 << 63, 1 << 61      # /proc/self/pagemap entry bits
 
 
@@ -264,18 +266,34 @@ class WeightPageDropper:
     build memory while it is still pre-packing, which otherwise stayed resident until the
     build ended (Gemma 3 int4, one thread: build peak 376-384 -> 367-372 MiB).
 
+    **Why ``MADV_PAGEOUT`` and not ``MADV_DONTNEED`` here.** The build unmaps each
+    pre-packed initializer's mapping while this thread works from the list it read, and the
+    next allocation may be placed at the very address (the fp32 SmolLM2-135M export: 184
+    weight mappings while pre-packing, 64 when the build returns). ``MADV_DONTNEED`` on
+    such a stale range zero-fills the memory now there: pre-packed weights or malloc's own
+    bookkeeping (the likely cause of a ``make test`` under load that aborted in a session's
+    destructor). ``MADV_PAGEOUT`` (Linux 5.4+) never loses data whatever the range holds:
+    clean file pages are reclaimed (re-read from the file on the next touch) and anonymous
+    ones stay where there is no swap or are swapped out. It also evicts the clean pages
+    from the page cache, so after the build the runtime puts the row-read tables back as
+    small pages (:func:`small_page_cache`) before the one synchronous
+    :func:`drop_mapped_weight_pages`, which runs when no mapping can change under it.
+    Kernels without ``MADV_PAGEOUT`` (``EINVAL``) get no background sweeps.
+
     Args:
         folder: the export folder whose ``model.onnx*`` mappings are swept.
         interval: seconds between background sweeps.
         trim_heap: also ``malloc_trim`` after each background sweep.
 
     Attributes:
-        sweeps: sweeps done; ``dropped``: bytes of mappings advised over all sweeps.
+        sweeps: sweeps done; ``dropped``: bytes of mappings advised over all sweeps;
+        ``supported``: False once the kernel refused ``MADV_PAGEOUT`` (sweeps stop).
     """
 
     def __init__(self, folder: Path, interval: float = 0.005, trim_heap: bool = True):
         self.folder, self.interval, self.trim_heap = Path(folder), float(interval), bool(trim_heap)
         self.sweeps = self.dropped = 0
+        self.supported = True          # False once the kernel refuses MADV_PAGEOUT
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -294,9 +312,13 @@ class WeightPageDropper:
         try:
             ranges = _weight_ranges(self.folder)
             for (a, b), (present, written) in zip(ranges, _page_counts(fd, ranges)):
-                if present and not written and \
-                        libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), 4) == 0:
-                    done += b - a                               # 4 = MADV_DONTNEED
+                if present and not written:
+                    # the range may be stale by now: only a non-destructive advice
+                    if libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), MADV_PAGEOUT) == 0:
+                        done += b - a
+                    elif ctypes.get_errno() == errno.EINVAL and b > a:   # kernel < 5.4
+                        self.supported = False
+                        break
         except (OSError, ValueError):
             pass
         finally:
@@ -306,7 +328,7 @@ class WeightPageDropper:
         return done
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while self.supported and not self._stop.wait(self.interval):
             self.sweep()
             if self.trim_heap:
                 release_free_heap()

@@ -169,7 +169,7 @@ class Session(GenerationLoop):
             before = resident_stretches()
         try:
             # the mapped weights are handed back while the build pre-packs them, not after
-            with memory.WeightPageDropper(self.folder) if self.device == "cpu" else _no_dropper():
+            with memory.WeightPageDropper(self.folder) if self.device == "cpu" else _no_dropper() as dropper:
                 self.sess = ort.InferenceSession(str(self.folder / "model.onnx"), so,
                                                  providers=_providers(device, sparse))
         except RuntimeLoadError:
@@ -184,6 +184,8 @@ class Session(GenerationLoop):
                                    "the file is corrupt or incomplete; re-run `edgeprune export`"
                                    ) from e
         memory.release_free_heap()
+        if getattr(dropper, "dropped", 0):     # MADV_PAGEOUT evicted read tables: small pages again
+            memory.small_page_cache(data, self.meta.get("row_read_ranges"))
         memory.drop_mapped_weight_pages(self.folder)
         # only what this load made resident (the pre-packed weights), not the whole process
         self.huge_page_bytes = collapse_resident(before) if collapse else 0

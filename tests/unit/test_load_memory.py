@@ -196,3 +196,26 @@ def test_weight_page_dropper_trims_the_heap_while_sweeping(tmp_path, monkeypatch
         assert (len(calls) >= 3) if trim else calls == []
     finally:
         m.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="needs Linux /proc/self/pagemap")
+def test_weight_page_dropper_never_discards_what_a_stale_range_now_holds(tmp_path, monkeypatch):
+    """The build unmaps pre-packed initializers while a sweep works from the list it read,
+    and the next allocation may take the same address. A sweep that finds such a range
+    (listed as a clean weight mapping, now anonymous memory holding data) must leave the
+    data intact: ``MADV_PAGEOUT`` reclaims without discarding, where ``MADV_DONTNEED``
+    zero-filled it."""
+    import ctypes
+
+    heap = mmap.mmap(-1, 16 * 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # now at the address
+    data = os.urandom(16 * 4096)
+    heap[:] = data
+    a = ctypes.addressof(ctypes.c_char.from_buffer(heap))
+    monkeypatch.setattr(rm, "_weight_ranges", lambda folder: [(a, a + 16 * 4096)])
+    monkeypatch.setattr(rm, "_page_counts", lambda fd, ranges: [(16, 0)])   # the stale view
+    try:
+        d = rm.WeightPageDropper(tmp_path)
+        assert d.sweep() == 16 * 4096 and d.supported
+        assert heap[:] == data
+    finally:
+        heap.close()
