@@ -25,7 +25,9 @@ Sources accepted by :func:`load_documents` / :func:`get_calibration`:
   ``"self-multilingual"``). Unseeded, a small model writes mostly English and the
   quantizer fits English at the other languages' cost (SmolLM2-135M best-w4 int4, 32
   windows: NTREX German +29.7 % perplexity vs English +11.7 %; ``"self-mixed"`` with 64
-  windows: German +17.9 %, English +12.4 %, but WikiText-2 +14.0 % vs +11.2 %).
+  windows: German +17.9 %, English +12.4 %, but WikiText-2 +14.0 % vs +11.2 %);
+* ``"self-mixed-<pct>"``: ``pct`` % of the windows seeded, the rest unseeded, evenly
+  spread (:func:`mixed_prompts`; ``self-mixed`` is ``self-mixed-50``).
   ``bench/calibration_languages.py`` measures each source per language
   (``docs/evaluation.md``).
 
@@ -251,15 +253,53 @@ def seed_prompts() -> list[str]:
     return [v[r] for r in range(rounds) for v in by_lang.values() if r < len(v)]
 
 
-def mixed_prompts() -> list[str]:
-    """Seeds of :data:`SELF_MIXED`: ``""`` (BOS alone) at even window indices, the
-    :func:`seed_prompts` in order at odd ones (so the first ``N`` windows are half
-    unseeded, half spread over the languages)."""
-    return [q for p in seed_prompts() for q in ("", p)]
+def mixed_prompts(seeded_pct: int = 50) -> list[str]:
+    """Seeds of :data:`SELF_MIXED` (``seeded_pct`` = 50) and of ``self-mixed-<pct>``:
+    ``""`` (BOS alone) for ``100 - seeded_pct`` % of the windows, evenly spread and first
+    at index 0, the :func:`seed_prompts` in order at the others (each prompt once). At 50:
+    unseeded at even indices, seeded at odd ones; at 75: one unseeded window, then three
+    seeded.
+
+    Raises:
+        ConfigError: ``seeded_pct`` outside 1..99.
+    """
+    if not isinstance(seeded_pct, int) or not 0 < seeded_pct < 100:
+        raise ConfigError(f"self-mixed seeded share {seeded_pct!r} % is out of range",
+                          "use self-mixed-<pct> with 1 <= pct <= 99 (self-multilingual seeds every window)")
+    u, out, seeds = 100 - seeded_pct, [], seed_prompts()
+    k = 0
+    while k < len(seeds):                  # ends with the last prompt
+        i = len(out)
+        if -(-(i + 1) * u // 100) > -(-i * u // 100):      # ceil steps: an unseeded window
+            out.append("")
+        else:
+            out.append(seeds[k])
+            k += 1
+    return out
 
 
-#: self-generated sources seeded with prompts -> the function giving their seeds
-_SEEDED_SOURCES = {SELF_MULTILINGUAL: seed_prompts, SELF_MIXED: mixed_prompts}
+def self_source_prompts(source) -> tuple[bool, list[str] | None]:
+    """``(is a self-generated source, its seed prompts or None)`` for a calibration
+    source name: ``self`` (no seeds), :data:`SELF_MULTILINGUAL`, :data:`SELF_MIXED`, or
+    ``self-mixed-<pct>`` (``pct`` % of the windows seeded, :func:`mixed_prompts`).
+
+    Raises:
+        ConfigError: ``self-mixed-<pct>`` with a share outside 1..99 or not a number.
+    """
+    name = str(source) if source is not None else ""
+    if name == "self":
+        return True, None
+    if name == SELF_MULTILINGUAL:
+        return True, seed_prompts()
+    if name == SELF_MIXED:
+        return True, mixed_prompts()
+    if name.startswith(SELF_MIXED + "-"):
+        pct = name[len(SELF_MIXED) + 1:]
+        if not pct.isdigit():
+            raise ConfigError(f"calibration source {name!r}: {pct!r} is not a percentage",
+                              "use self-mixed-<pct>, e.g. self-mixed-75 (75 % of windows seeded)")
+        return True, mixed_prompts(int(pct))
+    return False, None
 
 
 def _seed_rows(tokenizer, start: int, prompts, nsamples: int, seqlen: int) -> list[list[int]]:
@@ -389,13 +429,13 @@ def build_calibration(tokenizer, source: str | Path | None = None, *, nsamples: 
         CalibrationError: unreadable source, or too little text for the requested windows
             (the message says how many tokens were found and how many are needed).
     """
-    if source is not None and str(source) in SELF_SOURCES:
+    is_self, prompts = self_source_prompts(source)
+    if is_self:
         if model is None:
             raise CalibrationError(f"calibration source {str(source)!r} samples text from the model",
                                    "pass model= to build_calibration (the CLI does this for --calib self)")
         return self_generated(model, tokenizer, nsamples=nsamples, seqlen=seqlen, seed=seed,
-                              prompts=_SEEDED_SOURCES[str(source)]() if str(source) in _SEEDED_SOURCES else None,
-                              progress=progress)
+                              prompts=prompts, progress=progress)
     _check_nsamples(nsamples)
     check_seqlen(seqlen, model_max_length)
     docs, desc = load_documents(source, part="calibration")
@@ -443,6 +483,6 @@ def get_calibration(tokenizer, source: str | Path | None = None, nsamples: int =
 
 
 __all__ = ["CalibrationSet", "build_calibration", "describe", "self_generated", "seed_prompts",
-           "SELF_MULTILINGUAL", "SELF_MIXED", "SELF_SOURCES", "mixed_prompts", "get_calibration", "default_documents",
+           "SELF_MULTILINGUAL", "SELF_MIXED", "SELF_SOURCES", "mixed_prompts", "self_source_prompts", "get_calibration", "default_documents",
            "default_text", "load_documents", "read_text_file", "token_stream", "check_seqlen",
            "MAX_SEQLEN"]

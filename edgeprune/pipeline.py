@@ -352,7 +352,7 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
     import torch
 
     from . import checkpoint as ckpt
-    from .calibration import SELF_SOURCES, build_calibration
+    from .calibration import build_calibration, self_source_prompts
     from .engine import check_recipe, compress
     from .evaluate import fidelity
     from .models import load_model
@@ -416,7 +416,7 @@ def run_pipeline(cfg: RunConfig | None = None, out_dir: str | os.PathLike = "run
         calib = cfg.calib if cfg.calib is not None else DEFAULT_CALIB
         log(f"[2/7] calibration: {cfg.nsamples} x {cfg.seqlen} tokens from "
             + ("text sampled from the model itself" + (f" ({calib})" if calib != "self" else "")
-               if calib in SELF_SOURCES else
+               if self_source_prompts(calib)[0] else
                "the embedded default text" if calib == "default" else calib))
         cal = build_calibration(tok, calib, nsamples=cfg.nsamples, seqlen=cfg.seqlen, seed=cfg.seed,
                                 progress=True,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from edgeprune.calibration import (SELF_MIXED, SELF_MULTILINGUAL, build_calibration, mixed_prompts,
-                                  seed_prompts, self_generated)
+                                  seed_prompts, self_generated, self_source_prompts)
+from edgeprune.errors import ConfigError
 from tiny import byte_tokenizer
 
 
@@ -60,3 +62,40 @@ def test_the_mixed_source_alternates_unseeded_and_seeded_windows(tiny_llama):
         assert not (r.input_ids[i, 1:] == eos).any()
     n = len(seed_prompts())
     assert r.info["source"] == f"self:T=1,prompts={n},unseeded={n}"
+
+
+def test_mixed_share_spreads_the_unseeded_windows_and_uses_each_prompt_once():
+    p = seed_prompts()
+    q = mixed_prompts(75)
+    assert q[:8] == ["", p[0], p[1], p[2], "", p[3], p[4], p[5]]
+    assert [x for x in q if x] == p and q[-1] == p[-1]
+    assert len(q) == len(p) * 4 // 3 and q.count("") == len(p) // 3
+    assert mixed_prompts(50) == [x for s in p for x in ("", s)]
+    r = mixed_prompts(10)                  # 90 % unseeded: nine BOS-only windows per prompt
+    assert r[:10] == [""] * 9 + [p[0]] and [x for x in r if x] == p
+
+
+@pytest.mark.parametrize("name", ["self-mixed-0", "self-mixed-100", "self-mixed-x", "self-mixed-"])
+def test_mixed_share_out_of_range_is_one_clear_error(name):
+    with pytest.raises(ConfigError, match="self-mixed-<pct>"):
+        self_source_prompts(name)
+
+
+def test_self_source_names():
+    assert self_source_prompts("self") == (True, None)
+    assert self_source_prompts(SELF_MULTILINGUAL) == (True, seed_prompts())
+    assert self_source_prompts(SELF_MIXED) == (True, mixed_prompts())
+    assert self_source_prompts("self-mixed-75") == (True, mixed_prompts(75))
+    assert self_source_prompts("notes.txt") == (False, None)
+    assert self_source_prompts(None) == (False, None)
+
+
+def test_the_mixed_share_source_seeds_three_windows_in_four(tiny_llama):
+    tok = byte_tokenizer()
+    r = build_calibration(tok, "self-mixed-75", nsamples=4, seqlen=300, model=tiny_llama)
+    eos = tok.eos_token_id
+    assert r.input_ids[0, 0].item() == eos
+    assert r.input_ids[0, 1:150].tolist() != tok(seed_prompts()[0], add_special_tokens=False)["input_ids"][:149]
+    for i in (1, 2, 3):
+        seed = tok(seed_prompts()[i - 1], add_special_tokens=False)["input_ids"][:149]
+        assert r.input_ids[i, :150].tolist() == [eos] + seed
