@@ -278,7 +278,10 @@ class WeightPageDropper:
     from the page cache, so after the build the runtime puts the row-read tables back as
     small pages (:func:`small_page_cache`) before the one synchronous
     :func:`drop_mapped_weight_pages`, which runs when no mapping can change under it.
-    Kernels without ``MADV_PAGEOUT`` (``EINVAL``) get no background sweeps.
+    Kernels without ``MADV_PAGEOUT`` (``EINVAL``) get no background sweeps. The cost is in
+    load time, not memory: Gemma 3 270M int4 (RTN) loads in 2.2-2.7 s instead of 1.8-2.5 s
+    (0.25 s of it reading the 166 MiB table back), with the same resident size after the
+    load and after 128 tokens; SmolLM2-135M unchanged (quiet host, one thread).
 
     Args:
         folder: the export folder whose ``model.onnx*`` mappings are swept.
