@@ -15,7 +15,8 @@ through the runtime against the fp32 export of the dense model (``edgeprune eval
 
 Sources: ``self`` (text sampled from the model, unseeded: mostly English),
 ``self-multilingual`` (sampled windows seeded with the shipped prompts in twelve
-languages), ``self-mixed`` (half unseeded, half seeded), ``default`` (the embedded
+languages), ``self-mixed`` (half unseeded, half seeded), ``self-mixed-<pct>`` (pct %
+seeded), ``default`` (the embedded
 English documentation text), or a text file; ``SOURCE:N`` calibrates on ``N`` windows
 instead of ``--nsamples`` (case name ``SOURCE:N``). No peer
 runs here (``peer``/``theirs`` null). Quality only: valid on a loaded machine.
@@ -24,7 +25,7 @@ Usage::
 
     .venv/bin/python bench/calibration_languages.py --json bench/results/calibration_languages.json
     # another recipe (case names get @best-w4-clip)
-    .venv/bin/python bench/calibration_languages.py --sources self --recipe bench/recipes/best-w4-clip.yaml \\
+    .venv/bin/python bench/calibration_languages.py --sources self --recipe best-w4-clip \\
         --json bench/results/calibration_languages_clip.json
     # reuse finished work: an export per source and/or its `edgeprune eval --json` output
     .venv/bin/python bench/calibration_languages.py --sources self --export self=runs/a/onnx-compressed \\

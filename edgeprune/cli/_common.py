@@ -191,9 +191,9 @@ def method_options(f):
         click.option("--calib", default=None,
                      help="Calibration text: .txt/.jsonl/.parquet file, hf:NAME, or 'self' (text sampled "
                           "from the model; 'self-multilingual' seeds each window with a prompt in one of twelve "
-                          "languages, 'self-mixed' half of them, 'self-mixed-<pct>' pct % of them), or 'default' (the embedded text) (default: run 'self', compress 'default')."),
+                          "languages, 'self-mixed' half of them, 'self-mixed-<pct>' pct % of them), or 'default' (the embedded text) (default: run 'self-multilingual', compress 'default')."),
         click.option("--nsamples", type=int, default=None,
-                     help="Calibration windows (default: run 32, compress 128)."),
+                     help="Calibration windows (default: run 64, compress 128)."),
         click.option("--seqlen", type=int, default=512, show_default=True, help="Tokens per calibration window."),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--device", default="cpu", show_default=True, help="cpu or cuda."),

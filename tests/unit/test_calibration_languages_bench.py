@@ -23,7 +23,7 @@ def _eval(tmp_path):
     return f
 
 
-@pytest.mark.parametrize("recipe,case", [("best-w4", "self"), ("bench/recipes/best-w4-clip.yaml", "self@best-w4-clip")])
+@pytest.mark.parametrize("recipe,case", [("best-w4", "self"), ("best-w4-clip", "self@best-w4-clip")])
 def test_records_of_a_finished_eval(bench, tmp_path, recipe, case):
     out = tmp_path / "r.json"
     assert bench.main(["--sources", "self", "--recipe", recipe, "--eval-json", f"self={_eval(tmp_path)}",
