@@ -25,11 +25,11 @@ Sources accepted by :func:`load_documents` / :func:`get_calibration`:
   ``"self-multilingual"``). Unseeded, a small model writes mostly English and the
   quantizer fits English at the other languages' cost (SmolLM2-135M best-w4 int4, 32
   windows: NTREX German +29.7 % perplexity vs English +11.7 %; ``"self-mixed"`` with 64
-  windows: German +17.9 %, English +12.4 %, but WikiText-2 +14.0 % vs +11.2 %);
+  windows: German +17.9 %, English +12.4 %, but WikiText-2 +14.0 % vs +11.2 %).
+  ``bench/calibration_languages.py`` measures each source per language
+  (``docs/evaluation.md``);
 * ``"self-mixed-<pct>"``: ``pct`` % of the windows seeded, the rest unseeded, evenly
   spread (:func:`mixed_prompts`; ``self-mixed`` is ``self-mixed-50``).
-  ``bench/calibration_languages.py`` measures each source per language
-  (``docs/evaluation.md``).
 
 **The embedded default text** is the Python standard library's bundled documentation
 topics (``pydoc_data.topics``: 79 topics, about 465k characters of English prose and code
