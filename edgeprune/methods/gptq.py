@@ -139,13 +139,11 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
         return qparams(w, bits, sym, clip=c)
 
     static_s = static_z = None
-    if static_groups and gs < cols:
-        static_s = torch.empty(out, n_groups, device=dev)
-        static_z = torch.empty(out, n_groups, device=dev)
-        for g in range(n_groups):
-            sl = slice(g * gs, (g + 1) * gs)
-            s, z = grid(W[:, sl], H[sl, sl])
-            static_s[:, g], static_z[:, g] = s[:, 0], z[:, 0]
+    if static_groups and gs < cols:     # every group's grid at once (one clipping search)
+        c = (search_clip(W, H, bits=bits, group_size=gs, sym=sym, n_grid=n_grid,
+                         max_shrink=max_shrink).reshape(-1, 1) if clip_search else 1.0)
+        s, z = qparams(W.reshape(out * n_groups, gs), bits, sym, clip=c)
+        static_s, static_z = s.reshape(out, n_groups), z.reshape(out, n_groups)
 
     perm = None
     if act_order:

@@ -178,6 +178,26 @@ def test_gptq_clip_search_lowers_layer_loss(static):
         assert bool((clip.scales <= base.scales + 1e-6).all())   # shrinking only narrows a grid
 
 
+def test_gptq_static_clip_grids_equal_the_per_group_search():
+    """The static grids come from one clipping search over all groups; each group's
+    scale and zero point equal a search over that group alone (its block of H)."""
+    from edgeprune.quantize import qparams, search_clip
+    W, _, H = _synthetic(out=48, inp=256)
+    W = W + 0.4 * torch.sign(W) * (torch.rand_like(W) < 0.02)
+    q, _ = gptq_quantize(W, H, bits=4, group_size=32, act_order=True, static_groups=True,
+                         clip_search=True, n_grid=50, max_shrink=0.3)
+    chosen = []
+    for g in range(256 // 32):
+        sl = slice(32 * g, 32 * (g + 1))
+        c = search_clip(W[:, sl], H[sl, sl], bits=4, group_size=-1, sym=False, n_grid=50,
+                        max_shrink=0.3)
+        s, z = qparams(W[:, sl], 4, False, clip=c)
+        torch.testing.assert_close(q.scales[:, g], s[:, 0], rtol=0, atol=0)
+        torch.testing.assert_close(q.zeros[:, g].float(), z[:, 0], rtol=0, atol=0)
+        chosen.append(c)
+    assert len(torch.unique(torch.cat(chosen))) > 1     # the search chose more than one ratio
+
+
 def test_gptq_clip_search_settings_checked():
     from edgeprune.errors import ConfigError
     with pytest.raises(ConfigError, match="n_grid"):
