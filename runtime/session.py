@@ -184,8 +184,12 @@ class Session(GenerationLoop):
                                    "the file is corrupt or incomplete; re-run `edgeprune export`"
                                    ) from e
         memory.release_free_heap()
-        if getattr(dropper, "dropped", 0):     # MADV_PAGEOUT evicted read tables: small pages again
-            memory.small_page_cache(data, self.meta.get("row_read_ranges"))
+        paged = getattr(dropper, "paged", {}).get(data.name)
+        if paged and data.is_file():      # MADV_PAGEOUT evicted read tables: small pages again
+            again = memory.overlapping_ranges(self.meta.get("row_read_ranges"), paged,
+                                              data.stat().st_size)
+            if again:
+                memory.small_page_cache(data, again)
         memory.drop_mapped_weight_pages(self.folder)
         # only what this load made resident (the pre-packed weights), not the whole process
         self.huge_page_bytes = collapse_resident(before) if collapse else 0

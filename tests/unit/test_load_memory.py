@@ -211,7 +211,7 @@ def test_weight_page_dropper_never_discards_what_a_stale_range_now_holds(tmp_pat
     data = os.urandom(16 * 4096)
     heap[:] = data
     a = ctypes.addressof(ctypes.c_char.from_buffer(heap))
-    monkeypatch.setattr(rm, "_weight_ranges", lambda folder: [(a, a + 16 * 4096)])
+    monkeypatch.setattr(rm, "_weight_maps", lambda folder: [(a, a + 16 * 4096, "model.onnx.data", 0)])
     monkeypatch.setattr(rm, "_page_counts", lambda fd, ranges: [(16, 0)])   # the stale view
     try:
         d = rm.WeightPageDropper(tmp_path)
@@ -219,3 +219,38 @@ def test_weight_page_dropper_never_discards_what_a_stale_range_now_holds(tmp_pat
         assert heap[:] == data
     finally:
         heap.close()
+
+
+def test_overlapping_ranges_exact():
+    """The row-read ranges a sweep may have evicted: intersections, sorted and merged;
+    ``None`` stands for the whole file."""
+    ranges = [[100, 50], [1000, 500], [4096, 8192]]
+    assert rm.overlapping_ranges(ranges, [(0, 4096)], 20000) == [[100, 50], [1000, 500]]
+    assert rm.overlapping_ranges(ranges, [(120, 1200), (8000, 9000)], 20000) == \
+        [[120, 30], [1000, 200], [8000, 1000]]
+    assert rm.overlapping_ranges(ranges, [(150, 1000), (12288, 16384)], 20000) == []
+    assert rm.overlapping_ranges(None, [(8192, 12288), (4096, 8192)], 20000) == [[4096, 8192]]
+    assert rm.overlapping_ranges(ranges, [], 20000) == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="needs Linux /proc/self/pagemap")
+def test_weight_page_dropper_records_the_file_offsets_it_paged_out(tmp_path):
+    """``paged`` holds the file byte ranges of the mappings a sweep advised, at their file
+    offsets (a mapping of the file's second half reports the second half)."""
+    folder, m, content = _mapped(tmp_path, pages=8)
+    with open(folder / "model.onnx.data", "rb") as f:
+        half = mmap.mmap(f.fileno(), 4 * 4096, offset=4 * 4096, flags=mmap.MAP_PRIVATE,
+                         prot=mmap.PROT_READ)
+    try:
+        assert half[:] == content[4 * 4096:]
+        d = rm.WeightPageDropper(folder)
+        assert d.sweep() == len(content) + 4 * 4096
+        assert sorted(d.paged["model.onnx.data"]) == [(0, 8 * 4096), (4 * 4096, 8 * 4096)]
+        m[0] = (content[0] + 1) % 256                      # written: not advised again
+        assert half[0] == content[4 * 4096]                # faulted back in
+        d.paged.clear()
+        assert d.sweep() == 4 * 4096
+        assert d.paged == {"model.onnx.data": [(4 * 4096, 8 * 4096)]}
+    finally:
+        half.close()
+        m.close()

@@ -380,3 +380,44 @@ def test_stream_tells_its_finish_reason_and_result(folders):
         it = s.stream("abc", max_new_tokens=12)
         it.close()
         assert it.finish_reason == "cancelled"
+
+
+@pytest.mark.parametrize("paged, again", [
+    (None, None),                    # the build evicted nothing: no second read
+    ("all", "ranges"),               # everything evicted: every row-read range again
+    ("head", "head"),                # only part of the file: only the row-read part inside it
+])
+def test_load_reads_back_only_the_evicted_row_read_ranges(tmp_path, monkeypatch, paged, again):
+    """After the build the runtime puts back as small pages only the row-read ranges
+    inside the file spans the dropper's ``MADV_PAGEOUT`` sweeps covered."""
+    from transformers import LlamaConfig
+    from tiny import tiny_model
+    import edgeprune_runtime.memory as rm
+    model = tiny_model(LlamaConfig, tie_word_embeddings=True)
+    r = exporters.export_onnx(model, byte_tokenizer(), tmp_path / "a", precision="int4",
+                              max_length=64, validate=False)
+    ranges = r.metadata["row_read_ranges"]
+    data = tmp_path / "a" / "model.onnx.data"
+    size = data.stat().st_size
+    first_off, first_len = ranges[0]
+    spans = {None: {}, "all": {"model.onnx.data": [(0, size)]},
+             "head": {"model.onnx.data": [(first_off, first_off + first_len)]}}[paged]
+
+    class FakeDropper:
+        def __init__(self, folder):
+            self.paged, self.dropped = spans, sum(b - a for v in spans.values() for a, b in v)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    calls = []
+    monkeypatch.setattr(rm, "WeightPageDropper", FakeDropper)
+    monkeypatch.setattr(rm, "small_page_cache", lambda path, rr=None: calls.append(rr) or True)
+    with runtime.load(tmp_path / "a"):
+        pass
+    want = {None: None, "ranges": ranges, "head": [[first_off, first_len]]}[again]
+    assert calls[0] == ranges
+    assert calls[1:] == ([] if want is None else [want])
