@@ -240,6 +240,8 @@ SELF_MULTILINGUAL = "self-multilingual"
 #: model's own, mostly English, text: what ``self`` fits) and the rest seeded with the
 #: shipped multilingual prompts (what :data:`SELF_MULTILINGUAL` fits).
 SELF_MIXED = "self-mixed"
+#: The named self-generated sources (``self-mixed-<pct>`` is one too:
+#: :func:`self_source_prompts` decides every name).
 SELF_SOURCES = ("self", SELF_MULTILINGUAL, SELF_MIXED)
 _PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "calibration_prompts.json"
 
