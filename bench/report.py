@@ -73,6 +73,14 @@ DOC_TABLES = {
     "compare_llamacpp_longctx_avx512": ("docs/kv-cache.md", (
         "decode_tok_s", "decode_tok_s:theirs", "decode_ratio_paired", "decode_ratio_paired_min",
         "decode_ratio_paired_max", "peak_rss_mib", "peak_rss_mib:theirs", "kv_cache_mib", "kv_cache_mib:theirs")),
+    # the study grid (bench/study.py): summary, tasks, languages
+    "study_smollm2-135m": ("docs/study.md", ("ppl", "kl_nats", "top1_agree_pct", "snr_db", "cont_changed_pct",
+                                             "acc_mean_pct", "lang_change_mean_pct", "avg_bits", "compress_s",
+                                             "grid_wall_min", "cells", "note")),
+    "study_smollm2-135m_tasks": ("docs/study.md", tuple(f"acc_{t}_pct" for t in (
+        "piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "boolq", "openbookqa", "mean"))),
+    "study_smollm2-135m_langs": ("docs/study.md", tuple(f"{m}_{c}" for c in (
+        "eng", "deu", "fra", "spa", "zho-CN", "rus", "arb") for m in ("ppl", "change_pct"))),
     **{stem: ("docs/evaluation.md", tuple(f"ppl_increase_pct_{c}" for c in (
         "eng", "arb", "deu", "fra", "rus", "spa", "zho-CN")) + ("worst_over_en", "ppl_increase_pct_wikitext2"))
        for stem in ("calibration_languages", "calibration_languages_clip")},
@@ -112,7 +120,8 @@ make bench-docs                       # this page and the README's table
 | `compare_runtimes.py` | our int4 export + runtime vs onnxruntime-genai's int4 model |
 | `compare_llamacpp.py` | our int4 export vs llama.cpp Q4_0 / Q4_1 (speed, memory, perplexity) |
 | `lookup.py` | prompt-lookup decoding, ours vs llama.cpp's, by kind of text |
-| `best_w4.py`, `calibration_domain.py` | the default recipe and the calibration text |
+| `best_w4.py`, `calibration_domain.py`, `calibration_languages.py` | the default recipe and the calibration text |
+| `study.py`, `task_parity.py` | the pruning-vs-quantization study grid; task scores vs lm-eval |
 | `leank.py`, `countdown.py`, `countdown_study.py` | the LeanK and COUNTDOWN variants |
 | `kernel_ceiling.py`, `gather_bandwidth.py`, `head_two_stage.py`, `hugepages_ab.py` | kernels, memory and decode-step studies |
 

@@ -1,0 +1,58 @@
+"""bench/study.py's records from a finished study (no model): summary, tasks and languages
+files, percentages, a failed cell's note, the grid's wall time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench_modules import load_bench
+
+
+def _result(tmp_path):
+    rows = [dict(model="m", cell="dense", status="ok", ppl=20.0, kl=0.0, top1=1.0, snr_db=None, cont_change=0.0,
+                 **{"acc:piqa": 0.6, "acc:arc_easy": 0.5}, acc_mean=0.55,
+                 **{"ppl:eng": 10.0, "change:eng": 0.0, "ppl:deu": 30.0, "change:deu": 0.0},
+                 lang_change_mean=0.0, avg_bits=None, compress_s=None),
+            dict(model="m", cell="GPTQ-4 g64", status="ok", ppl=22.0, kl=0.05, top1=0.9, snr_db=18.5,
+                 cont_change=0.25, **{"acc:piqa": 0.58, "acc:arc_easy": 0.49}, acc_mean=0.535,
+                 **{"ppl:eng": 11.0, "change:eng": 0.1, "ppl:deu": 36.0, "change:deu": 0.2},
+                 lang_change_mean=0.15, avg_bits=4.25, compress_s=61.0),
+            dict(model="m", cell="RTN-4 g128", status="failed: group_size 128 does not divide 576",
+                 ppl=None, kl=None, top1=None, snr_db=None, cont_change=None,
+                 **{"acc:piqa": None, "acc:arc_easy": None}, acc_mean=None,
+                 **{"ppl:eng": None, "change:eng": None, "ppl:deu": None, "change:deu": None},
+                 lang_change_mean=None, avg_bits=None, compress_s=None)]
+    out = tmp_path / "study"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"config": {"tasks": ["piqa", "arc_easy"]}, "seconds": 5400.0,
+                                                  "rows": rows}), encoding="utf-8")
+    return out
+
+
+def test_records_of_a_finished_study(benchlib, tmp_path):
+    bench = load_bench("study")
+    path = tmp_path / "s.json"
+    assert bench.main(["--from", str(_result(tmp_path)), "--json", str(path)]) == 0
+    summ = {(r["case"], r["metric"]): r["ours"] for r in json.loads(path.read_text())}
+    tasks = {(r["case"], r["metric"]): r["ours"] for r in json.loads((tmp_path / "s_tasks.json").read_text())}
+    langs = {(r["case"], r["metric"]): r["ours"] for r in json.loads((tmp_path / "s_langs.json").read_text())}
+    g = "m/GPTQ-4 g64"
+    assert summ[(g, "ppl")] == 22.0 and summ[(g, "top1_agree_pct")] == pytest.approx(90.0)
+    assert summ[(g, "cont_changed_pct")] == pytest.approx(25.0) and summ[(g, "lang_change_mean_pct")] == pytest.approx(15.0)
+    assert summ[("m/grid", "grid_wall_min")] == pytest.approx(90.0) and summ[("m/grid", "cells")] == 3
+    assert summ[("m/RTN-4 g128", "note")].startswith("failed: group_size")
+    assert summ[("m/RTN-4 g128", "ppl")] is None
+    assert tasks[(g, "acc_piqa_pct")] == pytest.approx(58.0) and tasks[(g, "acc_mean_pct")] == pytest.approx(53.5)
+    assert langs[(g, "ppl_deu")] == 36.0 and langs[(g, "change_pct_deu")] == pytest.approx(20.0)
+    assert langs[("m/dense", "change_pct_eng")] == 0.0
+
+
+def test_the_documented_command_and_a_missing_run(benchlib, tmp_path):
+    bench = load_bench("study")
+    args = bench.study_args(tmp_path / "o", quick=False, limit=500, threads=2, model="smollm2-135m")
+    assert args[args.index("--cells") + 1] == bench.CELLS and args[args.index("--limit") + 1] == "500"
+    assert args[args.index("--tasks") + 1].count(",") == 6 and args[args.index("--nsamples") + 1] == "128"
+    with pytest.raises(SystemExit, match="results.json is missing"):
+        bench.main(["--from", str(tmp_path), "--json", str(tmp_path / "x.json")])
