@@ -13,8 +13,8 @@ Records, case ``<model>/<cell>``:
 * ``--json PATH``: ``ppl``, ``kl_nats``, ``top1_agree_pct``, ``snr_db``,
   ``cont_changed_pct``, ``acc_mean_pct``, ``lang_change_mean_pct``, ``avg_bits``,
   ``compress_s``, and ``status`` notes for failed cells; case ``<model>/grid``:
-  ``grid_wall_min`` (the study's own wall time; with ``--from``, as that run measured it)
-  and ``cells``;
+  ``cells`` and ``grid_wall_min`` (the study's own wall time; only when that run computed
+  every cell, else a note);
 * ``PATH`` with ``_tasks`` before ``.json``: ``acc_<task>_pct`` per task;
 * ``PATH`` with ``_langs``: ``ppl_<lang>`` and ``change_pct_<lang>`` per language.
 
@@ -41,7 +41,7 @@ import benchlib
 from benchlib import SHARED, WIKI
 from benchlib import edgeprune_cli as _cli
 
-CELLS = "gptq:4,awq:4,gptq:8,sparsegpt:0.5,wanda:0.5,sparsegpt:2:4"
+CELLS = "gptq:4,awq:4,sparsegpt:0.5,wanda:0.5,gptq:8,sparsegpt:2:4"
 TASKS = "piqa,arc_easy,arc_challenge,hellaswag,winogrande,boolq,openbookqa"
 
 
@@ -88,9 +88,17 @@ def records(result: dict) -> tuple[list[dict], list[dict], list[dict]]:
         trec.append(R(case, "acc_mean_pct", _pct(r.get("acc_mean"))))
         for c in langs:
             lrec += [R(case, f"ppl_{c}", r.get(f"ppl:{c}")), R(case, f"change_pct_{c}", _pct(r.get(f"change:{c}")))]
+    cells = result.get("cells") or []
+    # the run's clock is the grid's only when the run computed every unit of every cell
+    whole = bool(cells) and all(c.get("status") == "failed" or
+                                set(c.get("computed") or []) >= set(c.get("units") or {}) for c in cells)
     for model in dict.fromkeys(r["model"] for r in rows):
-        summ += [R(f"{model}/grid", "grid_wall_min", (result.get("seconds") or 0.0) / 60.0),
-                 R(f"{model}/grid", "cells", sum(r["model"] == model for r in rows))]
+        summ.append(R(f"{model}/grid", "cells", sum(r["model"] == model for r in rows)))
+        if whole:
+            summ.append(R(f"{model}/grid", "grid_wall_min", (result.get("seconds") or 0.0) / 60.0))
+        else:
+            summ.append(benchlib.note_record(f"{model}/grid", "cells partly from the cache: "
+                                             "the run's wall time is not the grid's"))
     return summ, trec, lrec
 
 

@@ -10,7 +10,7 @@ import pytest
 from bench_modules import load_bench
 
 
-def _result(tmp_path):
+def _result(tmp_path, status="computed"):
     rows = [dict(model="m", cell="dense", status="ok", ppl=20.0, kl=0.0, top1=1.0, snr_db=None, cont_change=0.0,
                  **{"acc:piqa": 0.6, "acc:arc_easy": 0.5}, acc_mean=0.55,
                  **{"ppl:eng": 10.0, "change:eng": 0.0, "ppl:deu": 30.0, "change:deu": 0.0},
@@ -26,8 +26,10 @@ def _result(tmp_path):
                  lang_change_mean=None, avg_bits=None, compress_s=None)]
     out = tmp_path / "study"
     out.mkdir()
+    done = {"status": "computed", "units": {"text": {}, "task:piqa": {}}, "computed": ["text", "task:piqa"]}
+    cells = [done, dict(done, computed=["text"] if status == "cached" else done["computed"]), {"status": "failed"}]
     (out / "results.json").write_text(json.dumps({"config": {"tasks": ["piqa", "arc_easy"]}, "seconds": 5400.0,
-                                                  "rows": rows}), encoding="utf-8")
+                                                  "rows": rows, "cells": cells}), encoding="utf-8")
     return out
 
 
@@ -47,6 +49,14 @@ def test_records_of_a_finished_study(benchlib, tmp_path):
     assert tasks[(g, "acc_piqa_pct")] == pytest.approx(58.0) and tasks[(g, "acc_mean_pct")] == pytest.approx(53.5)
     assert langs[(g, "ppl_deu")] == 36.0 and langs[(g, "change_pct_deu")] == pytest.approx(20.0)
     assert langs[("m/dense", "change_pct_eng")] == 0.0
+
+
+def test_a_grid_served_partly_from_the_cache_has_no_wall_time(benchlib, tmp_path):
+    bench = load_bench("study")
+    path = tmp_path / "s.json"
+    assert bench.main(["--from", str(_result(tmp_path, status="cached")), "--json", str(path)]) == 0
+    grid = {r["metric"]: r["ours"] for r in json.loads(path.read_text()) if r["case"] == "m/grid"}
+    assert "grid_wall_min" not in grid and grid["cells"] == 3 and "from the cache" in grid["note"]
 
 
 def test_the_documented_command_and_a_missing_run(benchlib, tmp_path):
