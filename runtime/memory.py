@@ -190,12 +190,6 @@ def _weight_maps(folder: Path) -> list[tuple[int, int, str, int]]:
     return out
 
 
-def _weight_ranges(folder: Path) -> list[tuple[int, int]]:
-    """``(start, end)`` of this process's mappings of ``folder``'s ``model.onnx*`` files
-    (:func:`_weight_maps` without the file names and offsets)."""
-    return [(a, b) for a, b, _, _ in _weight_maps(folder)]
-
-
 def overlapping_ranges(ranges: Optional[list], spans: list[tuple[int, int]],
                        size: int) -> list[list[int]]:
     """The parts of ``ranges`` (``[[offset, length], ...]``, bytes of a file; ``None`` = the

@@ -87,7 +87,7 @@ def test_weight_page_dropper_hands_back_read_pages_and_keeps_written_ones(tmp_pa
     folder, m, content = _mapped(tmp_path)
     try:
         assert _resident(folder) == len(content)
-        (a, b), = rm._weight_ranges(folder)
+        (a, b, _, _), = rm._weight_maps(folder)
         fd = os.open("/proc/self/pagemap", os.O_RDONLY)
         try:
             assert rm._has_written_pages(fd, a, b) is False
@@ -155,7 +155,7 @@ def test_page_counts_per_mapping_in_one_read(tmp_path):
                                        prot=mmap.PROT_READ | mmap.PROT_WRITE))
         extra[0][7 * 4096] = (content[7 * 4096] + 1) % 256       # written: 1 page present
         assert extra[1][3 * 4096] == content[3 * 4096]            # read: 1 page (+ fault-around)
-        ranges = rm._weight_ranges(folder)
+        ranges = [(a, b) for a, b, _, _ in rm._weight_maps(folder)]
         assert len(ranges) == 3
         fd = os.open("/proc/self/pagemap", os.O_RDONLY)
         try:
