@@ -20,7 +20,7 @@ import errno
 import os
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 from .errors import GenerationError
 
@@ -190,7 +190,7 @@ def _weight_maps(folder: Path) -> list[tuple[int, int, str, int]]:
     return out
 
 
-def overlapping_ranges(ranges: Optional[list], spans: list[tuple[int, int]],
+def overlapping_ranges(ranges: Optional[list], spans: Iterable[tuple[int, int]],
                        size: int) -> list[list[int]]:
     """The parts of ``ranges`` (``[[offset, length], ...]``, bytes of a file; ``None`` = the
     whole file of ``size`` bytes) that fall inside ``spans`` (``[(start, end), ...]`` byte
@@ -316,15 +316,16 @@ class WeightPageDropper:
 
     Attributes:
         sweeps: sweeps done; ``dropped``: bytes of mappings advised over all sweeps;
-        ``paged``: ``{file name: [(start, end), ...]}``, the file byte offsets those
-        mappings covered (the page-cache pages the advice may have evicted);
+        ``paged``: ``{file name: {(start, end), ...}}``, the file byte offsets those
+        mappings covered (the page-cache pages the advice may have evicted; a set, so a
+        mapping advised on every sweep is held once);
         ``supported``: False once the kernel refused ``MADV_PAGEOUT`` (sweeps stop).
     """
 
     def __init__(self, folder: Path, interval: float = 0.005, trim_heap: bool = True):
         self.folder, self.interval, self.trim_heap = Path(folder), float(interval), bool(trim_heap)
         self.sweeps = self.dropped = 0
-        self.paged: dict[str, list[tuple[int, int]]] = {}   # file name -> (start, end) offsets
+        self.paged: dict[str, set[tuple[int, int]]] = {}    # file name -> (start, end) offsets
         self.supported = True          # False once the kernel refuses MADV_PAGEOUT
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -349,7 +350,7 @@ class WeightPageDropper:
                     # the range may be stale by now: only a non-destructive advice
                     if libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), MADV_PAGEOUT) == 0:
                         done += b - a
-                        self.paged.setdefault(name, []).append((off, off + b - a))
+                        self.paged.setdefault(name, set()).add((off, off + b - a))
                     elif ctypes.get_errno() == errno.EINVAL and b > a:   # kernel < 5.4
                         self.supported = False
                         break

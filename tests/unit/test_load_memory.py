@@ -246,11 +246,14 @@ def test_weight_page_dropper_records_the_file_offsets_it_paged_out(tmp_path):
         d = rm.WeightPageDropper(folder)
         assert d.sweep() == len(content) + 4 * 4096
         assert sorted(d.paged["model.onnx.data"]) == [(0, 8 * 4096), (4 * 4096, 8 * 4096)]
+        assert m[:] == content and half[:] == content[4 * 4096:]   # faulted back in
+        assert d.sweep() == len(content) + 4 * 4096           # advised again, held once
+        assert len(d.paged["model.onnx.data"]) == 2
         m[0] = (content[0] + 1) % 256                      # written: not advised again
         assert half[0] == content[4 * 4096]                # faulted back in
         d.paged.clear()
         assert d.sweep() == 4 * 4096
-        assert d.paged == {"model.onnx.data": [(4 * 4096, 8 * 4096)]}
+        assert d.paged == {"model.onnx.data": {(4 * 4096, 8 * 4096)}}
     finally:
         half.close()
         m.close()
