@@ -236,6 +236,83 @@ class QuantizedWeight:
         return (out * inp * self.bits + extra) / (out * inp)
 
 
+def refit_scales(qw: "QuantizedWeight", W: torch.Tensor, H: torch.Tensor, *, chunk: int = 1024
+                 ) -> tuple["QuantizedWeight", dict]:
+    """Each group's scale re-fitted by least squares with the integer codes held fixed.
+
+    With codes ``q`` and zero points ``z`` fixed, ``W_hat[r] = A_r s_r`` is linear in the
+    row's group scales ``s_r [G]`` (``A_r [in, G]`` holds ``q - z`` in its group's column),
+    so the layer loss ``(W[r] - A_r s_r) H (W[r] - A_r s_r)^T`` of GPTQ's objective
+    (Frantar et al. 2023, Eq. 1) has the closed-form minimizer
+    ``s_r = (A_r^T H A_r)^-1 A_r^T H W[r]^T``: one ``G x G`` system per row. The codes
+    a rounding method chose are kept, so an export's packed integers are unchanged and
+    only the scales move (as the scale refinement of OmniQuant-style methods, here solved
+    exactly instead of by gradient steps). A row keeps its old scales where the solution
+    is not finite, not positive, or does not lower that row's loss; new scales are
+    rounded to float16 (:func:`round_scale`).
+
+    Args:
+        qw: the quantized layer (any ``g_idx``; every group ``group_size`` columns).
+        W: ``[out, in]`` the weight the codes approximate (the original, before any error
+            feedback), pruned entries zero.
+        H: ``[in, in]`` the layer input's Hessian ``X^T X / n``.
+        chunk: rows solved at once (bounds memory: ``chunk * in * G`` floats).
+
+    Returns:
+        ``(QuantizedWeight with new scales, info)``; ``info``: ``loss_before``,
+        ``loss_after`` (summed over rows, in ``H``'s units) and ``rows_kept``
+        (rows whose old scales stayed).
+
+    Raises:
+        ConfigError: shapes that do not match, or a partial last group.
+    """
+    out, inp = qw.shape
+    gs = qw.group_size
+    G = qw.n_groups
+    if tuple(W.shape) != (out, inp) or tuple(H.shape) != (inp, inp) or G * gs != inp:
+        raise ConfigError(f"refit_scales: weight {tuple(W.shape)}, Hessian {tuple(H.shape)} and codes "
+                          f"{(out, inp)} in groups of {gs} do not fit together",
+                          "pass the layer's own weight and Hessian, with whole groups")
+    dev = W.device
+    g = qw.group_index().to(dev)
+    order = torch.argsort(g, stable=True)             # groups contiguous
+    Wp = W.detach().float()[:, order]
+    Hp = H.detach().float().to(dev)[order][:, order]
+    D = (qw.codes.float().to(dev) - qw.zeros.float().to(dev)[:, g])[:, order]   # q - z  [out, in]
+    old = qw.scales.float().to(dev)
+    new = old.clone()
+    kept = 0
+    for r0 in range(0, out, chunk):
+        d = D[r0:r0 + chunk]
+        n = d.shape[0]
+        # E[r, i, h] = sum_{j in group h} H[i, j] d[r, j]
+        E = torch.stack([d[:, h * gs:(h + 1) * gs] @ Hp[h * gs:(h + 1) * gs] for h in range(G)], -1)
+        M = torch.einsum("rgi,rgih->rgh", d.reshape(n, G, gs), E.reshape(n, G, gs, G))
+        b = (d * (Wp[r0:r0 + chunk] @ Hp)).reshape(n, G, gs).sum(-1)
+        M, b = M.double(), b.double()
+        ridge = 1e-9 * torch.diagonal(M, dim1=1, dim2=2).mean(-1).clamp_min(1e-30)
+        s = round_scale(torch.linalg.solve(M + ridge[:, None, None] * torch.eye(G, device=dev, dtype=M.dtype),
+                                           b[..., None])[..., 0].float())
+
+        def loss(x):       # row loss up to the constant w H w^T
+            x = x.double()
+            return torch.einsum("rg,rgh,rh->r", x, M, x) - 2 * (b * x).sum(-1)
+
+        s_old = old[r0:r0 + chunk]
+        ok = torch.isfinite(s).all(-1) & (s > 0).all(-1) & (loss(s) < loss(s_old))
+        new[r0:r0 + chunk] = torch.where(ok[:, None], s, s_old)
+        kept += int((~ok).sum())
+
+    def layer_loss(scales):
+        dw = (Wp - D * torch.repeat_interleave(scales, gs, dim=1)).double()
+        return float(torch.einsum("ri,ij,rj->", dw, Hp.double(), dw))
+
+    before, after = layer_loss(old), layer_loss(new)
+    out_qw = QuantizedWeight(codes=qw.codes, scales=new.to(qw.scales.dtype).cpu(), zeros=qw.zeros, bits=qw.bits,
+                             group_size=gs, sym=qw.sym, g_idx=qw.g_idx, meta=dict(qw.meta, refit_scales=True))
+    return out_qw, {"loss_before": before, "loss_after": after, "rows_kept": kept}
+
+
 def rtn_quantize(w: torch.Tensor, bits: int = 4, group_size: int = DEFAULT_GROUP_SIZE, sym: bool = False,
                  clip: float | torch.Tensor = 1.0, *, pad_groups: bool = False,
                  name: str = "layer") -> QuantizedWeight:
@@ -281,4 +358,4 @@ def rtn_quantize(w: torch.Tensor, bits: int = 4, group_size: int = DEFAULT_GROUP
 
 
 __all__ = ["QuantizedWeight", "check_quant_args", "qparams", "round_scale", "quantize_codes",
-           "fake_quant_groups", "search_clip", "fake_quantize", "rtn_quantize", "SUPPORTED_BITS", "DEFAULT_GROUP_SIZE"]
+           "fake_quant_groups", "search_clip", "refit_scales", "fake_quantize", "rtn_quantize", "SUPPORTED_BITS", "DEFAULT_GROUP_SIZE"]

@@ -49,7 +49,8 @@ from typing import Optional
 
 import torch
 
-from ..quantize import QuantizedWeight, check_quant_args, qparams, rtn_quantize, search_clip
+from ..errors import ConfigError
+from ..quantize import QuantizedWeight, check_quant_args, qparams, refit_scales, rtn_quantize, search_clip
 from .base import LayerResult, LayerTask, Method
 from .config import QuantOptions, check_clip_grid, check_sweep
 from .obs import (OBSSweep, StackedGroup, damped_cholesky_inverse, damping_note, fix_dead_channels,
@@ -67,6 +68,11 @@ class GPTQConfig(QuantOptions):
     ``clip_search``: choose each group's grid by the clipping search (module docstring),
     over ``n_grid`` steps down to ``1 - max_shrink``.
 
+    ``refit_scales``: rounds of scale refit (0: off). Each round re-fits every group's scale
+    by least squares with the codes fixed (:func:`~edgeprune.quantize.refit_scales`); a
+    round after the first first re-runs the GPTQ sweep on the refitted grids. The export
+    format and bits per weight are unchanged.
+
     ``true_sequential`` (default on, the reference code's ``--true-sequential``): within a
     block the linears are quantized in forward order, group by group (``[q,k,v]``, ``[o]``,
     ``[gate,up]``, ``[down]``), each group's Hessian gathered from the outputs of the
@@ -82,21 +88,27 @@ class GPTQConfig(QuantOptions):
     clip_search: bool = False
     n_grid: int = 100
     max_shrink: float = 0.2
+    refit_scales: int = 0
     method = "gptq"
 
     def validate(self) -> None:
-        """Raises :class:`ConfigError` on a bad grid, damping, block size or clipping search."""
+        """Raises :class:`ConfigError` on a bad grid, damping, block size, clipping search
+        or refit rounds."""
         super().validate()
         check_sweep(self, "damp_percent")
         check_clip_grid(self)
+        r = self.refit_scales
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ConfigError(f"refit_scales={r!r} must be a whole number of rounds >= 0",
+                              "use 0 (off) or e.g. 3")
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 64,
                   sym: bool = False, act_order: bool = False, static_groups: bool = False,
                   damp_percent: float = 0.01, blocksize: int = 128,
                   mask: Optional[torch.Tensor] = None, tries: int = 4, name: str = "layer",
-                  clip_search: bool = False, n_grid: int = 100, max_shrink: float = 0.2
-                  ) -> tuple[Optional[QuantizedWeight], dict]:
+                  clip_search: bool = False, n_grid: int = 100, max_shrink: float = 0.2,
+                  refit: int = 0) -> tuple[Optional[QuantizedWeight], dict]:
     """Quantize ``W`` with GPTQ (Algorithm 1 of Frantar et al. 2023).
 
     Args:
@@ -111,11 +123,14 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
         tries: damping attempts (x10 each) before giving up.
         clip_search: choose each group's grid by the clipping search over ``n_grid``
             steps down to ``1 - max_shrink`` (module docstring) instead of min/max.
+        refit: after the sweep, re-fit every group's scale by least squares with the codes
+            fixed (:func:`~edgeprune.quantize.refit_scales`, the module docstring).
 
     Returns:
         ``(qweight, info)``: :class:`QuantizedWeight` with codes in the original column
         order (``None`` when the Hessian stayed singular: the caller falls back to RTN),
-        and ``info = {"damp": float, "attempts": int}``.
+        and ``info = {"damp": float, "attempts": int}`` (with ``refit``: the layer loss
+        before and after the refit, ``refit_loss``).
 
     Raises:
         ConfigError: unsupported ``bits``/``group_size`` for this layer.
@@ -130,6 +145,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
         mask = mask.to(device=dev, dtype=torch.bool)
         W = W * mask
     H = fix_dead_channels(H.detach().float().to(dev))
+    W0, H0 = (W.clone(), H) if refit else (None, None)
 
     def grid(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale and zero ``[out, 1]`` of one group ``w [out, k]`` (``h``: its ``[k, k]`` block of H)."""
@@ -158,52 +174,68 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
     if U is None:
         return None, info
 
-    codes = torch.zeros(cols, out, device=dev)  # transposed: one row per input column
-    scales = torch.zeros(out, n_groups, device=dev)
-    zeros = torch.zeros(out, n_groups, device=dev)
-    cur = {}
-    if gs == cols:  # one group per row: grid from the whole row (order irrelevant)
-        s, z = grid(W, H)
-        scales[:, 0], zeros[:, 0] = s[:, 0], z[:, 0]
-        cur["s"], cur["z"] = s[:, 0], z[:, 0]
     maskt = None if mask is None else mask.t().contiguous()
-    sweep = OBSSweep(W, U, blocksize=blocksize)
 
-    def step(col: int, w: torch.Tensor) -> torch.Tensor:
+    def one_sweep(static_s, static_z, group_of):
+        """Codes (original order), scales, zeros and g_idx of one GPTQ sweep over the
+        permuted ``W``; ``static_s``/``static_z`` ``[out, n_groups]``: fixed grids, the
+        group of original column ``j`` being ``group_of[j]``."""
+        codes = torch.zeros(cols, out, device=dev)  # transposed: one row per input column
+        scales = torch.zeros(out, n_groups, device=dev)
+        zeros = torch.zeros(out, n_groups, device=dev)
+        cur = {}
+        if gs == cols and static_s is None:  # one group per row: grid from the whole row
+            s, z = grid(W, H)
+            scales[:, 0], zeros[:, 0] = s[:, 0], z[:, 0]
+            cur["s"], cur["z"] = s[:, 0], z[:, 0]
+        sweep = OBSSweep(W.clone(), U, blocksize=blocksize)
+
+        def step(col: int, w: torch.Tensor) -> torch.Tensor:
+            if static_s is not None:
+                g = int(group_of[int(perm[col]) if perm is not None else col])
+                cur["s"], cur["z"] = static_s[:, g], static_z[:, g]
+            elif gs < cols and col % gs == 0:
+                g = col // gs
+                seg = sweep.fresh(col, col + gs)
+                if mask is not None:
+                    seg = seg * mask[:, col:col + gs]
+                s2, z2 = grid(seg, H[col:col + gs, col:col + gs])
+                cur["s"], cur["z"] = s2[:, 0], z2[:, 0]
+                scales[:, g], zeros[:, g] = cur["s"], cur["z"]
+            s, z = cur["s"], cur["z"]
+            c = torch.clamp(torch.round(w / s) + z, 0, maxq)
+            if maskt is not None:
+                c = torch.where(maskt[col], c, z)
+            codes[col] = c
+            return (c - z) * s
+
+        sweep.run(step)
+        codes = codes.t()
+        g_idx = None
+        if perm is not None:
+            inv = torch.argsort(perm)
+            codes = codes[:, inv]
+            if static_s is None and gs < cols:
+                g_idx = (torch.arange(cols, device=dev) // gs)[inv].to(torch.int32).cpu()
         if static_s is not None:
-            g = int(perm[col]) // gs if perm is not None else col // gs
-            cur["s"], cur["z"] = static_s[:, g], static_z[:, g]
-        elif gs < cols and col % gs == 0:
-            g = col // gs
-            seg = sweep.fresh(col, col + gs)
-            if mask is not None:
-                seg = seg * mask[:, col:col + gs]
-            s2, z2 = grid(seg, H[col:col + gs, col:col + gs])
-            cur["s"], cur["z"] = s2[:, 0], z2[:, 0]
-            scales[:, g], zeros[:, g] = cur["s"], cur["z"]
-        s, z = cur["s"], cur["z"]
-        c = torch.clamp(torch.round(w / s) + z, 0, maxq)
-        if maskt is not None:
-            c = torch.where(maskt[col], c, z)
-        codes[col] = c
-        return (c - z) * s
+            scales, zeros = static_s, static_z
+        return codes, scales, zeros, g_idx
 
-    sweep.run(step)
-    codes = codes.t()
-
-    g_idx = None
-    if perm is not None:
-        inv = torch.argsort(perm)
-        codes = codes[:, inv]
-        if static_s is None and gs < cols:
-            g_idx = (torch.arange(cols, device=dev) // gs)[inv].to(torch.int32).cpu()
-    if static_s is not None:
-        scales, zeros = static_s, static_z
+    meta = {"method": "gptq", "damp": damp, "act_order": act_order, "static_groups": bool(static_groups),
+            "clip_search": bool(clip_search)}
+    group_of = torch.arange(cols, device=dev) // gs
+    codes, scales, zeros, g_idx = one_sweep(static_s, static_z, group_of)
     qw = QuantizedWeight(codes=codes.to(torch.uint8).cpu(), scales=scales.float().cpu(),
                          zeros=zeros.to(torch.uint8).cpu(), bits=bits, group_size=gs, sym=sym, g_idx=g_idx,
-                         meta={"method": "gptq", "damp": damp, "act_order": act_order,
-                               "static_groups": bool(static_groups),
-                               "clip_search": bool(clip_search)})
+                         meta=dict(meta))
+    for r in range(refit):
+        if r:      # codes re-chosen by GPTQ on the refitted grids
+            gi = qw.group_index().to(dev)
+            codes, _, _, _ = one_sweep(qw.scales.float().to(dev), qw.zeros.float().to(dev), gi)
+            qw = QuantizedWeight(codes=codes.to(torch.uint8).cpu(), scales=qw.scales, zeros=qw.zeros, bits=bits,
+                                 group_size=gs, sym=sym, g_idx=qw.g_idx, meta=dict(meta))
+        qw, rr = refit_scales(qw, W0, H0)
+        info.setdefault("refit_loss", []).append((rr["loss_before"], rr["loss_after"]))
     return qw, info
 
 
@@ -231,7 +263,7 @@ class GPTQ(Method):
                                      act_order=c.act_order, static_groups=c.static_groups,
                                      damp_percent=c.damp_percent, blocksize=c.blocksize, mask=g.mask,
                                      name=tasks[0].name, clip_search=c.clip_search, n_grid=c.n_grid,
-                                     max_shrink=c.max_shrink)
+                                     max_shrink=c.max_shrink, refit=c.refit_scales)
             note = damping_note(names, info["attempts"], qw is None, "RTN")
             if note:
                 notes.append(note)

@@ -174,6 +174,6 @@ def test_shipped_presets_parse():
     from edgeprune.pipeline import preset_names, resolve_recipe
 
     names = preset_names()
-    assert {"best-w4", "best-w4-clip", "best-w4-signround", "best-50", "best-2-4"} <= set(names)
+    assert {"best-w4", "best-w4-clip", "best-w4-refit", "best-w4-signround", "best-50", "best-2-4"} <= set(names)
     for n in names:
         Recipe.from_file(resolve_recipe(n)).validate()

@@ -580,3 +580,72 @@ def test_finite_fp16_massive_activations_are_kept():
     blk = Blk()
     st = StatsCollector({"lin": lin}, True, "cpu").run(blk, [[x, {}, torch.ones(1, 16, dtype=torch.bool)]])["lin"]
     assert (st.n_tokens, st.n_excluded) == (15, 1)
+
+
+# ----------------------------------------------------------------------------- scale refit
+
+def _layer_loss(W, Wh, H):
+    d = W - Wh
+    return float(torch.einsum("ri,ij,rj->", d, H, d))
+
+
+@pytest.mark.parametrize("act_order,static_groups", [(False, False), (True, True), (True, False)])
+def test_refit_scales_is_the_weighted_least_squares_optimum(act_order, static_groups):
+    """With the codes fixed, each row's new scales equal a direct least-squares solve of
+    ``min_s ||L^T (w - A s)||`` (``H = L L^T``), up to float16 rounding; the codes, zero
+    points and g_idx are untouched and the layer loss drops."""
+    from edgeprune.quantize import refit_scales
+    W, _, H = _synthetic(out=24, inp=128)
+    q, _ = gptq_quantize(W, H, bits=4, group_size=32, act_order=act_order, static_groups=static_groups)
+    if act_order and not static_groups:
+        assert q.g_idx is not None and not q.has_default_order()
+    r, info = refit_scales(q, W, H)
+    assert torch.equal(r.codes, q.codes) and torch.equal(r.zeros, q.zeros)
+    assert (r.g_idx is None) == (q.g_idx is None)
+    L = torch.linalg.cholesky(H.double())
+    g = q.group_index()
+    d = q.codes.double() - q.zeros.double()[:, g]
+    onehot = torch.nn.functional.one_hot(g, q.n_groups).double()          # [in, G]
+    for row in range(W.shape[0]):
+        A = d[row][:, None] * onehot                                        # [in, G]
+        ref = torch.linalg.lstsq(L.T @ A, L.T @ W[row].double()[:, None]).solution[:, 0]
+        torch.testing.assert_close(r.scales[row].double(), ref, rtol=2e-3, atol=0)
+    assert info["rows_kept"] == 0
+    assert info["loss_after"] < info["loss_before"]
+    assert _layer_loss(W, r.dequantize(), H) < _layer_loss(W, q.dequantize(), H)
+    torch.testing.assert_close(info["loss_before"], _layer_loss(W, q.dequantize(), H), rtol=1e-4, atol=0)
+
+
+def test_gptq_refit_rounds_lower_the_layer_loss_and_keep_the_format():
+    """One round moves only the scales; later rounds re-run GPTQ on the refitted grids and
+    lower the loss further; the bits per weight stay those of plain GPTQ."""
+    W, _, H = _synthetic(out=48, inp=256)
+    kw = dict(bits=4, group_size=32, act_order=True, static_groups=True, clip_search=True)
+    q0, _ = gptq_quantize(W, H, **kw)
+    q1, i1 = gptq_quantize(W, H, refit=1, **kw)
+    q3, i3 = gptq_quantize(W, H, refit=3, **kw)
+    assert torch.equal(q1.codes, q0.codes) and not torch.equal(q1.scales, q0.scales)
+    assert not torch.equal(q3.codes, q0.codes)
+    l0, l1, l3 = (_layer_loss(W, q.dequantize(), H) for q in (q0, q1, q3))
+    assert l3 < l1 < l0
+    assert len(i1["refit_loss"]) == 1 and len(i3["refit_loss"]) == 3
+    assert q3.bits_per_weight() == q0.bits_per_weight() and q3.meta["refit_scales"] is True
+
+
+def test_gptq_refit_keeps_a_pruning_mask():
+    W, _, H = _synthetic(out=32, inp=128)
+    mask = nm_keep_mask(W.abs(), 2, 4)
+    q, _ = gptq_quantize(W, H, bits=4, group_size=32, mask=mask, refit=2)
+    assert bool((q.dequantize()[~mask] == 0).all())
+    assert bool((q.dequantize()[mask] != 0).float().mean() > 0.9)
+
+
+def test_refit_settings_checked():
+    from edgeprune.quantize import refit_scales
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="refit_scales"):
+            GPTQConfig(refit_scales=bad).validate()
+    W, _, H = _synthetic(out=8, inp=64)
+    q, _ = gptq_quantize(W, H, bits=4, group_size=32)
+    with pytest.raises(ConfigError, match="do not fit"):
+        refit_scales(q, W[:, :32], H)
