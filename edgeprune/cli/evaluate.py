@@ -33,10 +33,13 @@ from ._common import _check_output, _console, _table, _write_json, threads_optio
 @click.option("--langs", default=None,
               help="Parallel text: a folder of one .txt per language (e.g. NTREX-128) or comma-separated files.")
 @click.option("--lang-lines", type=int, default=200, show_default=True, help="First lines of each language file.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Precision of a PyTorch model's task and language scoring (perplexity on --text stays "
+                   "float32); bfloat16 is about 2x faster on CPUs with AVX512-BF16 or AMX.")
 @threads_option()
 @click.option("--json", "json_path", default=None, help="Write the figures here.")
 def eval_cmd(model, text, seqlen, nwindows, dense_ref, continuations, tasks, limit, task_data, num_fewshot,
-             langs, lang_lines, threads, json_path):
+             langs, lang_lines, dtype, threads, json_path):
     """Evaluate MODEL (alias, .gguf, HF folder, checkpoint or ONNX export folder).
 
     Perplexity on --text (with --dense: fidelity to that model), task accuracy with
@@ -63,16 +66,22 @@ def eval_cmd(model, text, seqlen, nwindows, dense_ref, continuations, tasks, lim
         import torch
 
         torch.set_num_threads(threads)
-    from ..evaluation.backends import load_evaluated
+    from ..evaluation.backends import is_export, load_evaluated, scoring_model
 
+    if dtype != "float32" and (is_export(model) or (dense_ref and is_export(dense_ref))):
+        raise ConfigError(f"--dtype {dtype} applies to PyTorch models; an export runs in its graph's precision",
+                          "drop --dtype for an export")
     m, tok = load_evaluated(model, threads)
     d = None
     if dense_ref:
         d, _ = load_evaluated(dense_ref, threads)
     con = _console()
-    out: dict = {"model": model}
+    out: dict = {"model": model, "dtype": dtype}
     if text is not None or dense_ref or not (tasks or langs):
         out.update(_perplexity(con, model, m, d, tok, text, seqlen, nwindows, continuations))
+    if dtype != "float32":      # tasks and languages in dtype
+        m = scoring_model(m, dtype)
+        d = scoring_model(d, dtype) if d is not None else None
     if task_names:
         from ..evaluation.tasks import run_tasks
 

@@ -40,6 +40,9 @@ def _split(text) -> list[str]:
 @click.option("--task-data", default=None, type=click.Path(file_okay=False), help="Folder of local task files.")
 @click.option("--langs", default=None, help="Parallel text: folder of one .txt per language, or files.")
 @click.option("--lang-lines", type=int, default=200, show_default=True, help="First lines of each language file.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Precision of task and language scoring (the fidelity text is always float32); bfloat16 "
+                   "is about 2x faster on CPUs with AVX512-BF16 or AMX.")
 @click.option("--device", default="cpu", show_default=True)
 @threads_option(help="Torch threads per cell (Ray: the CPUs each cell declares; default: all cores).")
 @click.option("--ray", "ray_address", default=None, help="Run cells as Ray tasks: 'local' or a cluster ADDRESS.")
@@ -47,7 +50,7 @@ def _split(text) -> list[str]:
 @click.option("--out", "out_dir", required=True, help="Folder for results.csv/.md/.json and plots/.")
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
 def study_cmd(models, methods, bits, sparsity, pattern, cells, group_size, calib, nsamples, seqlen, seed, text,
-              eval_seqlen, nwindows, continuations, tasks, limit, task_data, langs, lang_lines, device, threads,
+              eval_seqlen, nwindows, continuations, tasks, limit, task_data, langs, lang_lines, dtype, device, threads,
               ray_address, cache, out_dir, no_plots):
     """Run the pruning-vs-quantization grid: every model x compression cell, measured on
     fidelity, tasks and languages; cached by content hash (a re-run computes only what
@@ -71,7 +74,7 @@ def study_cmd(models, methods, bits, sparsity, pattern, cells, group_size, calib
     cfg = StudyConfig(models=_split(models), cells=grid, group_size=group_size, calib=calib, nsamples=nsamples,
                       seqlen=seqlen, seed=seed, text=text, eval_seqlen=eval_seqlen, nwindows=nwindows or None,
                       continuations=continuations, tasks=task_names, limit=limit, task_data=task_data, langs=langs,
-                      lang_lines=lang_lines, device=device, threads=threads, cache=cache)
+                      lang_lines=lang_lines, dtype=dtype, device=device, threads=threads, cache=cache)
     con = _console()
     con.print(f"study: {len(cfg.models)} model(s) x {len(grid)} cells: {', '.join(c.label for c in grid)}")
     table = run_study(cfg, out_dir, ray_address=ray_address, log=lambda m: con.print(m))

@@ -241,6 +241,40 @@ def is_export(source) -> bool:
         return False
 
 
+#: Precisions a PyTorch model can be scored in (``--dtype``).
+SCORING_DTYPES = ("float32", "bfloat16")
+
+
+def scoring_model(model, dtype: str = "float32"):
+    """``model`` as scored in ``dtype``: itself for ``"float32"``, a ``bfloat16`` copy for
+    ``"bfloat16"`` (the original is left as it is; log-probabilities are still taken in
+    float32 from the bfloat16 logits).
+
+    bfloat16 scoring runs the matmuls on the CPU's bfloat16 units (AVX512-BF16, AMX): on
+    the 2-core AVX512-BF16 host, a linear layer of SmolLM2-135M runs 2.9x faster and task
+    scoring about 2x. Each weight is rounded to 8 mantissa bits, comparable to an 8-bit
+    grid's step, so it suits task accuracy and language perplexity of models far apart,
+    not fine fidelity figures (KL, SNR), which stay float32.
+
+    Raises:
+        ConfigError: an unknown ``dtype``; a non-float32 ``dtype`` for an export (its graph
+            fixes the precision).
+    """
+    from ..errors import ConfigError
+
+    if dtype not in SCORING_DTYPES:
+        raise ConfigError(f"scoring dtype {dtype!r} is not one of {', '.join(SCORING_DTYPES)}",
+                          "pass --dtype float32 or --dtype bfloat16")
+    if dtype == "float32":
+        return model
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"--dtype {dtype} applies to PyTorch models; an export runs in its graph's precision",
+                          "drop --dtype for an export, or export at the precision you want")
+    import copy
+
+    return copy.deepcopy(model).to(getattr(torch, dtype))
+
+
 def load_evaluated(source, threads: Optional[int] = None, device: str = "cpu"):
     """``(model, tokenizer)`` of an alias, model file or folder, checkpoint, or export.
 
@@ -272,4 +306,4 @@ def load_evaluated(source, threads: Optional[int] = None, device: str = "cpu"):
 
 
 __all__ = ["TorchBackend", "RuntimeBackend", "RuntimeModel", "backend_for", "load_evaluated",
-           "is_export"]
+           "is_export", "scoring_model", "SCORING_DTYPES"]

@@ -147,9 +147,10 @@ class StudyRunner:
         cells = []
         text = self._text_digest(c.text)
         calib = dict(source=self._calib_digest(c.calib), nsamples=c.nsamples, seqlen=c.seqlen, seed=c.seed)
-        tasks = {t: dict(task=t, limit=c.limit, num_fewshot=c.num_fewshot, data=self._task_data_digest())
+        scored = {} if c.dtype == "float32" else dict(dtype=c.dtype)     # float32 keys as before
+        tasks = {t: dict(task=t, limit=c.limit, num_fewshot=c.num_fewshot, data=self._task_data_digest(), **scored)
                  for t in c.tasks} if c.tasks else {}
-        langs = {lt.code: dict(file=self.cache.digest(lt.path), lines=c.lang_lines, seqlen=c.eval_seqlen)
+        langs = {lt.code: dict(file=self.cache.digest(lt.path), lines=c.lang_lines, seqlen=c.eval_seqlen, **scored)
                  for lt in self.languages()}
         for model in c.models:
             try:
@@ -271,6 +272,11 @@ class StudyRunner:
                                  new_tokens=c.new_tokens).to_dict()
             self._put(pc, out, "text", value)
         tasks = [u.split(":", 1)[1] for u in missing if u.startswith("task:")]
+        codes = [u.split(":", 1)[1] for u in missing if u.startswith("lang:")]
+        if tasks or codes:
+            from ..evaluation.backends import scoring_model
+
+            model = scoring_model(model, c.dtype)
         if tasks:
             from ..evaluation.tasks import run_tasks
 
@@ -278,15 +284,17 @@ class StudyRunner:
                           progress=False)
             for t in tasks:
                 sub = {k: v.to_dict() for k, v in r.tasks.items() if k == t or k.startswith(f"{t}_")}
-                self._put(pc, out, f"task:{t}", dict(r.tasks[t].to_dict(), subtasks=sub, protocol=r.protocol))
-        codes = [u.split(":", 1)[1] for u in missing if u.startswith("lang:")]
+                self._put(pc, out, f"task:{t}", dict(r.tasks[t].to_dict(), subtasks=sub,
+                                                     protocol=dict(r.protocol, dtype=c.dtype)))
         if codes:
             from ..evaluation.languages import language_perplexity
 
             langs = [lt for lt in self.languages() if lt.code in codes]
             for lt in langs:
                 r = language_perplexity(model, tok, [lt], lines=c.lang_lines, seqlen=c.eval_seqlen, progress=False)
-                self._put(pc, out, f"lang:{lt.code}", r[lt.code].to_dict())
+                v = r[lt.code].to_dict()
+                v["protocol"] = dict(v.get("protocol") or {}, dtype=c.dtype)
+                self._put(pc, out, f"lang:{lt.code}", v)
 
 
 class _PlanError(EdgePruneError):
@@ -307,6 +315,11 @@ def check_config(config: StudyConfig) -> None:
             raise ConfigError(f"{name}={v!r} must be a positive integer", f"pass e.g. --{name.replace('_', '-')} 512")
     if config.limit is not None and config.limit < 1:
         raise ConfigError(f"--limit {config.limit} must be positive", "pass e.g. --limit 500")
+    from ..evaluation.backends import SCORING_DTYPES
+
+    if config.dtype not in SCORING_DTYPES:
+        raise ConfigError(f"--dtype {config.dtype} is not one of {', '.join(SCORING_DTYPES)}",
+                          "pass --dtype float32 or --dtype bfloat16")
     if config.continuations < 0:
         raise ConfigError(f"--continuations {config.continuations} must be >= 0", "pass e.g. --continuations 32")
 

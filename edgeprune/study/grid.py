@@ -216,8 +216,9 @@ class StudyConfig:
     Models and cells; calibration (``calib`` source, ``nsamples`` x ``seqlen``, ``seed``);
     the fidelity text (``text``, ``eval_seqlen``, ``nwindows``; ``continuations`` prompts of
     ``prompt_len`` tokens, ``new_tokens`` compared); tasks (``tasks``, ``limit``,
-    ``task_data``, ``num_fewshot``); languages (``langs``, ``lang_lines``); ``device``,
-    ``threads``; ``cache`` folder.
+    ``task_data``, ``num_fewshot``); languages (``langs``, ``lang_lines``); ``dtype`` of
+    task and language scoring (``"float32"`` or ``"bfloat16"``; the fidelity text is always
+    scored in float32); ``device``, ``threads``; ``cache`` folder.
     """
 
     models: list = field(default_factory=lambda: ["smollm2-135m"])
@@ -239,6 +240,7 @@ class StudyConfig:
     num_fewshot: Optional[int] = None
     langs: Optional[str] = None
     lang_lines: Optional[int] = 200
+    dtype: str = "float32"
     device: str = "cpu"
     threads: Optional[int] = None
     cache: Optional[str] = None

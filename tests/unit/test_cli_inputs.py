@@ -282,6 +282,15 @@ def test_eval_window_longer_than_the_context_is_refused(model_dir, capsys):
     one_line_error(code, err, "max_position_embeddings=512", "--seqlen 512")
 
 
+def test_eval_dtype_of_an_export_is_refused_before_loading(tmp_path, capsys):
+    exp = tmp_path / "export"
+    exp.mkdir()
+    (exp / "model.onnx").write_bytes(b"not read")          # refused before anything loads
+    (exp / "edgeprune.json").write_text("{}")
+    code, _, err = run_cli(["eval", exp, "--dtype", "bfloat16"], capsys)
+    one_line_error(code, err, "--dtype bfloat16 applies to PyTorch models", "drop --dtype")
+
+
 def test_narrow_codes_are_labelled_and_long_contexts_warned(tiny_llama, tmp_path):
     import edgeprune_exporters as exporters
     from edgeprune.quantize import rtn_quantize

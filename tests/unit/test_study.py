@@ -99,3 +99,52 @@ def test_auto_group_size():
     assert auto_group_size([896, 4864]) == 128         # Qwen2.5-0.5B
     assert auto_group_size([64, 160]) == 32
     assert auto_group_size([100]) == -1
+
+
+def test_bfloat16_scoring_keys_only_tasks_and_languages(study_inputs, tmp_path):
+    """--dtype bfloat16 re-scores tasks and languages (their keys change, the float32 keys
+    stay as they were), keeps the fidelity unit and the compressed models, and records the
+    dtype in each unit's protocol."""
+    from edgeprune.study import run_study
+    from edgeprune.study.cell import StudyRunner
+    from edgeprune.study.cache import Cache
+
+    cache = tmp_path / "cache"
+    cfg = study_config(study_inputs, "rtn:4", cache, limit=5)
+    run_study(cfg, tmp_path / "out", progress=False, log=lambda m: None, plots=False)
+    f32 = StudyRunner(cfg, Cache(cache)).plan()
+    cfg16 = study_config(study_inputs, "rtn:4", cache, limit=5)
+    cfg16.dtype = "bfloat16"
+    b16 = StudyRunner(cfg16, Cache(cache)).plan()
+    for a, b in zip(f32, b16):
+        assert a.cell_key == b.cell_key and a.units["text"] == b.units["text"]
+        changed = {u for u in a.units if a.units[u] != b.units[u]}
+        assert changed == {u for u in a.units if u != "text"} and changed
+    t = run_study(cfg16, tmp_path / "out16", progress=False, log=lambda m: None, plots=False)
+    assert all(set(units) == {u for u in b16[0].units if u != "text"} for _, _, units in t.computed())
+    o = t.outcomes[1]
+    assert o.units["task:piqa"]["protocol"]["dtype"] == "bfloat16"
+    assert all(v["protocol"]["dtype"] == "bfloat16" for u, v in o.units.items() if u.startswith("lang:"))
+
+
+def test_scoring_model_casts_a_copy_and_refuses_bad_input():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from edgeprune.errors import ConfigError
+    from edgeprune.evaluation.backends import RuntimeModel, scoring_model
+    from edgeprune.study import StudyConfig
+    from edgeprune.study.cell import check_config
+
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1))
+    assert scoring_model(m, "float32") is m
+    b = scoring_model(m, "bfloat16")
+    assert b is not m and next(b.parameters()).dtype == torch.bfloat16
+    assert next(m.parameters()).dtype == torch.float32
+    with pytest.raises(ConfigError, match="float16"):
+        scoring_model(m, "float16")
+    with pytest.raises(ConfigError, match="export"):
+        scoring_model(RuntimeModel.__new__(RuntimeModel), "bfloat16")
+    with pytest.raises(ConfigError, match="--dtype"):
+        check_config(StudyConfig(dtype="int8"))
