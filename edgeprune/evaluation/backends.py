@@ -148,6 +148,35 @@ class TorchBackend:
             logits, cache = self._step([[tok]], cache)
         return new
 
+    @torch.no_grad()
+    def greedy_many(self, prompts: Sequence[list[int]], max_new_tokens: int, stop_eos: bool = True
+                    ) -> list[list[int]]:
+        """:meth:`greedy` of several prompts of one length in one batch (one forward per
+        step for all of them; a row that has ended is still fed, its tokens dropped).
+        Prompts of different lengths are generated one by one.
+
+        Returns:
+            One token list per prompt, as :meth:`greedy` gives it.
+        """
+        if len({len(p) for p in prompts}) != 1:
+            return [self.greedy(p, max_new_tokens, stop_eos) for p in prompts]
+        logits, cache = self._step([list(p) for p in prompts], logits_to_keep=1)
+        new: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        while True:
+            toks = logits[:, -1].argmax(-1).tolist()
+            for i, tok in enumerate(toks):
+                if done[i]:
+                    continue
+                if stop_eos and tok in self.eos_token_ids:
+                    done[i] = True
+                    continue
+                new[i].append(tok)
+                done[i] = len(new[i]) >= max_new_tokens
+            if all(done):
+                return new
+            logits, cache = self._step([[t] for t in toks], cache)
+
 
 class RuntimeBackend:
     """An export loaded by ``runtime.load`` (its graph computes every number).
@@ -188,6 +217,10 @@ class RuntimeBackend:
     def score_many(self, groups) -> list[Scores]:
         """:meth:`score` of each ``(context, continuations)`` group."""
         return [self.score(ctx, conts) for ctx, conts in groups]
+
+    def greedy_many(self, prompts, max_new_tokens: int, stop_eos: bool = True) -> list[list[int]]:
+        """:meth:`greedy` of each prompt."""
+        return [self.greedy(p, max_new_tokens, stop_eos) for p in prompts]
 
     def greedy(self, prompt: list[int], max_new_tokens: int, stop_eos: bool = True) -> list[int]:
         """As :meth:`TorchBackend.greedy`, through ``Session.generate`` (temperature 0)."""

@@ -153,15 +153,20 @@ def _greedy_callable(fn, prompt: list[int], n: int) -> list[int]:
 
 
 def _greedy_fns(dense, model, f_dense, f_model):
-    """Greedy generators of both models: their backends (KV cache, stop at end-of-sequence)
-    when both have one, else the plain loop for both (the same rule on both sides)."""
+    """Greedy generators of both models, each ``(prompts, n) -> [tokens per prompt]``: their
+    backends (KV cache, the prompts in one batch, stop at end-of-sequence) when both have
+    one, else the plain loop for both (the same rule on both sides)."""
     from .backends import RuntimeModel, backend_for
 
     kinds = (torch.nn.Module, RuntimeModel)
     if isinstance(dense, kinds) and isinstance(model, kinds):
         bd, bm = backend_for(dense), backend_for(model)
-        return bd.greedy, bm.greedy
-    return (lambda p, n: _greedy_callable(f_dense, p, n)), (lambda p, n: _greedy_callable(f_model, p, n))
+        return bd.greedy_many, bm.greedy_many
+
+    def plain(fn):
+        return lambda ps, n: [_greedy_callable(fn, p, n) for p in ps]
+
+    return plain(f_dense), plain(f_model)
 
 
 def continuation_prompts(windows: torch.Tensor, count: int, prompt_len: int) -> torch.Tensor:
@@ -228,8 +233,8 @@ def fidelity(dense, model, tokenizer, text: str | Path | None = None, *, seqlen:
     if prompts is not None:
         changed = agree_tokens = 0
         g_dense, g_model = _greedy_fns(dense, model, f_dense, f_model)
-        for p in tqdm(prompts.tolist(), desc="continuations", unit="prompt", disable=not progress, leave=False):
-            a, b = g_dense(p, new_tokens), g_model(p, new_tokens)
+        ps = prompts.tolist()
+        for a, b in zip(g_dense(ps, new_tokens), g_model(ps, new_tokens)):
             changed += a != b
             agree_tokens += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         res.continuation_change = changed / len(prompts)

@@ -56,3 +56,22 @@ def test_prompts_need_enough_tokens():
     assert continuation_prompts(w, 4, 16).tolist()[1] == list(range(16, 32))
     with pytest.raises(ConfigError, match="need 80 tokens"):
         continuation_prompts(w, 5, 16)
+
+
+def test_batched_greedy_equals_one_prompt_at_a_time(tiny_llama):
+    """``greedy_many`` (one batch for prompts of one length) gives each prompt's own greedy
+    tokens, ends a row at end-of-sequence as ``greedy`` does, and falls back to one prompt
+    at a time for prompts of different lengths."""
+    from edgeprune.evaluation.backends import TorchBackend
+
+    b = TorchBackend(tiny_llama)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 250, (6, 8), generator=g).tolist()
+    one = [b.greedy(p, 12) for p in prompts]
+    assert b.greedy_many(prompts, 12) == one
+    # an end-of-sequence token chosen early by some rows: their lists stop there
+    first = [t[0] for t in one]
+    b.eos_token_ids = {first[0], first[3]}
+    ends = [b.greedy(p, 12) for p in prompts]
+    assert ends[0] == [] and b.greedy_many(prompts, 12) == ends
+    assert b.greedy_many([prompts[0], prompts[1][:5]], 4) == [b.greedy(prompts[0], 4), b.greedy(prompts[1][:5], 4)]
