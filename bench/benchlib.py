@@ -396,7 +396,7 @@ OURS_VARIANTS = {
     # int4 g64 asym, 8-bit v_proj and layers.0 down_proj) calibrated on 32 x 512 tokens sampled
     # from the model itself, 8-bit lm_head shared with the embedding. 30+ min on a busy
     # 2-core machine (the sampling and GPTQ), so no --quick builds it.
-    "default": "best-w4-clip (GPTQ int4 g64 asym, clipped grids), self-calibrated 64x512 in twelve "
+    "default": "best-w4-refit (GPTQ int4 g64 asym, clipped grids, scale refit), self-calibrated 64x512 in twelve "
                "languages (what `edgeprune run` ships)",
     # data-free: RTN int4 g32 asym, block for block like llama.cpp's Q4_0, 8-bit lm_head.
     # Load + export + parity check: 1-3 min on 2 cores. What --quick builds.

@@ -42,10 +42,10 @@ from .errors import CalibrationError, CheckpointError, ConfigError
 #: Default compression of the main job (see README for the measured trade-offs).
 DEFAULT_METHOD = dict(method="gptq", bits=4, group_size=64, sym=False)
 #: What ``edgeprune run`` compresses with when no method, recipe or method setting is
-#: given: the ``best-w4-clip`` preset (GPTQ int4 g64 asym with static activation order
-#: and clipped group grids, 8-bit ``v_proj`` and first-layer ``down_proj``;
-#: ``edgeprune/recipes/best-w4-clip.yaml``).
-DEFAULT_RECIPE = "best-w4-clip"
+#: given: the ``best-w4-refit`` preset (GPTQ int4 g64 asym with static activation order,
+#: clipped group grids and three rounds of least-squares scale refit, 8-bit ``v_proj`` and
+#: first-layer ``down_proj``; ``edgeprune/recipes/best-w4-refit.yaml``).
+DEFAULT_RECIPE = "best-w4-refit"
 #: Calibration source of ``edgeprune run`` when ``--calib`` is not given: text sampled
 #: from the model itself (``edgeprune.calibration.self_generated``), each window seeded
 #: with a shipped prompt in one of twelve languages, :data:`DEFAULT_NSAMPLES` windows.

@@ -57,19 +57,22 @@ def test_best_w4_average_bits_per_weight_within_budget():
     assert abs(avg - 4.4733) < 1e-4 and avg <= 4.5
 
 
-def test_run_defaults_to_the_best_w4_clip_preset_and_multilingual_self_calibration():
-    """`edgeprune run` with no method setting compresses with best-w4-clip (best-w4 with
-    clipped 4-bit grids) calibrated on text sampled from the model, seeded in several
-    languages; any method setting switches to DEFAULT_METHOD plus it."""
+def test_run_defaults_to_the_best_w4_refit_preset_and_multilingual_self_calibration():
+    """`edgeprune run` with no method setting compresses with best-w4-refit (best-w4 with
+    clipped 4-bit grids and three scale-refit rounds in both stages) calibrated on text
+    sampled from the model, seeded in several languages; any method setting switches to
+    DEFAULT_METHOD plus it."""
     from edgeprune.pipeline import DEFAULT_CALIB, RunConfig, build_recipe
     from edgeprune.recipe import Recipe
     r = build_recipe(RunConfig())
     best = Recipe.from_file(BEST).to_dict()
-    assert r.to_dict()["name"] == "best-w4-clip"
+    assert r.to_dict()["name"] == "best-w4-refit"
     got = r.to_dict()["stages"]
     assert got[1].pop("clip_search") is True and got[0].get("clip_search") in (None, False)
+    assert [st.pop("refit_scales") for st in got] == [3, 3]
     for st in best["stages"]:
         st.pop("clip_search", None)
+        assert st.pop("refit_scales", 0) == 0
     for st in got:
         st.pop("clip_search", None)
     assert got == best["stages"]                    # otherwise exactly best-w4
@@ -78,7 +81,7 @@ def test_run_defaults_to_the_best_w4_clip_preset_and_multilingual_self_calibrati
     assert [(s.method, s.bits, s.group_size, s.sym) for s in r3.stages] == [("gptq", 3, 64, False)]
     rr = build_recipe(RunConfig(method="rtn"))
     assert [(s.method, s.bits) for s in rr.stages] == [("rtn", 4)]
-    assert build_recipe(RunConfig(recipe="best-w4-clip")).to_dict() == r.to_dict()
+    assert build_recipe(RunConfig(recipe="best-w4-refit")).to_dict() == r.to_dict()
 
 
 def test_sparsity_settings_without_a_method_are_refused():
