@@ -48,6 +48,9 @@ DOC_TABLES = {
     "accuracy_levels": ("docs/int4-export.md", ("argmax_agree", "max_abs_dlogit", "argmax_agree_onepass_vs_exact",
                                                 "argmax_agree_decode_vs_exact", "decode_tok_s_t1",
                                                 "ratio_vs_level4_t1", "decode_tok_s_t2", "ratio_vs_level4_t2")),
+    "accuracy_levels_default": ("docs/int4-export.md", ("argmax_agree", "max_abs_dlogit", "argmax_agree_onepass_vs_exact",
+                                                "argmax_agree_decode_vs_exact", "decode_tok_s_t1",
+                                                "ratio_vs_level4_t1", "decode_tok_s_t2", "ratio_vs_level4_t2")),
     "compare_llamacpp_longctx": ("docs/kv-cache.md", (
         "decode_tok_s", "decode_tok_s:theirs", "decode_ratio_paired", "decode_ratio_paired_min",
         "decode_ratio_paired_max", "prefill_tok_s", "prefill_tok_s:theirs", "peak_rss_mib",
