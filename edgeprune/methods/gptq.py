@@ -25,6 +25,12 @@ minimizes the unweighted error instead). It applies to static grids (from the or
 weights), per-row grids, and dynamic grids (from the error-updated weights when the
 quantizer reaches the group).
 
+``refit_scales`` (off by default) adds rounds of scale refit after the sweep: with the codes
+fixed, every group's scale is the least-squares minimizer of the layer loss
+(:func:`~edgeprune.quantize.refit_scales`, one small ``G x G`` system per row); each round
+after the first first re-runs the sweep on the refitted grids, so the codes follow the
+scales. The grids stay static for those sweeps (on the returned ``g_idx``).
+
 ``act_order`` ("desc_act") quantizes columns in order of decreasing ``H_jj``. With
 dynamic groups the groups are then contiguous *in that order*, so a column's group is
 ``g_idx[j] = position_of_j // group_size`` (non-monotone); with ``static_groups`` the
