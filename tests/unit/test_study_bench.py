@@ -64,5 +64,8 @@ def test_the_documented_command_and_a_missing_run(benchlib, tmp_path):
     args = bench.study_args(tmp_path / "o", quick=False, limit=500, threads=2, model="smollm2-135m")
     assert args[args.index("--cells") + 1] == bench.CELLS and args[args.index("--limit") + 1] == "500"
     assert args[args.index("--tasks") + 1].count(",") == 6 and args[args.index("--nsamples") + 1] == "128"
+    assert "--dtype" not in args
+    b16 = bench.study_args(tmp_path / "o", quick=False, limit=500, threads=2, model="smollm2-135m", dtype="bfloat16")
+    assert b16[b16.index("--dtype") + 1] == "bfloat16" and b16[:b16.index("--dtype")] == args[:-2]
     with pytest.raises(SystemExit, match="results.json is missing"):
         bench.main(["--from", str(tmp_path), "--json", str(tmp_path / "x.json")])
