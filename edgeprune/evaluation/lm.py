@@ -76,6 +76,12 @@ class EdgepruneLM(TemplateLM):
     def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        """lm-eval's own (tokenizing each request as its HF model does), its "Tokenizing
+        inputs" bar hidden with ours when ``progress`` is off (tqdm reads ``TQDM_DISABLE``
+        only when it is imported, so the environment cannot hide it later)."""
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """Score ``[(strings, context ids, continuation ids), ...]``, requests of one context
         together (the choices of a multiple-choice item), in the order given."""

@@ -143,3 +143,20 @@ def test_onnx_backend_scores_like_the_torch_model(tmp_path):
         assert a == pytest.approx(b, abs=1e-3) and ga == gb
     assert rt.greedy(ctx, 6) == pt.greedy(ctx, 6)
     assert tok2.encode("Hello world") == tok.encode("Hello world")
+
+
+def test_quiet_lm_shows_no_harness_bar(tmp_path, capsys):
+    """With ``progress=False`` lm-eval's own "Tokenizing inputs" bar is hidden too (tqdm
+    reads TQDM_DISABLE at import, so only ``disable_tqdm`` can hide it); scores unchanged."""
+    from lm_eval.api.instance import Instance
+
+    from edgeprune.evaluation.lm import EdgepruneLM
+
+    model, tok = _hf_tiny(tmp_path)
+    reqs = [Instance(request_type="loglikelihood", doc={}, arguments=("The sky is", c), idx=i)
+            for i, c in enumerate([" blue", " green"])]
+    quiet = EdgepruneLM(model, tok, progress=False).loglikelihood(reqs)
+    assert "Tokenizing inputs" not in capsys.readouterr().err
+    loud = EdgepruneLM(model, tok, progress=True).loglikelihood(reqs)
+    assert "Tokenizing inputs" in capsys.readouterr().err
+    assert quiet == loud and len(quiet) == 2
