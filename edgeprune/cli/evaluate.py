@@ -79,7 +79,7 @@ def eval_cmd(model, text, seqlen, nwindows, dense_ref, continuations, tasks, lim
     out: dict = {"model": model, "dtype": dtype}
     if text is not None or dense_ref or not (tasks or langs):
         out.update(_perplexity(con, model, m, d, tok, text, seqlen, nwindows, continuations))
-    if dtype != "float32":      # tasks and languages in dtype
+    if dtype != "float32" and (task_names or languages):      # tasks and languages in dtype
         m = scoring_model(m, dtype)
         d = scoring_model(d, dtype) if d is not None else None
     if task_names:

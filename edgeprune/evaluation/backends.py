@@ -136,17 +136,7 @@ class TorchBackend:
     def greedy(self, prompt: list[int], max_new_tokens: int, stop_eos: bool = True) -> list[int]:
         """Up to ``max_new_tokens`` greedy tokens after ``prompt`` (an end-of-sequence token
         ends it and is not returned when ``stop_eos``)."""
-        logits, cache = self._step([list(prompt)], logits_to_keep=1)
-        new: list[int] = []
-        while True:
-            tok = int(logits[0, -1].argmax())
-            if stop_eos and tok in self.eos_token_ids:
-                break
-            new.append(tok)
-            if len(new) >= max_new_tokens:
-                break
-            logits, cache = self._step([[tok]], cache)
-        return new
+        return self.greedy_many([prompt], max_new_tokens, stop_eos)[0]
 
     @torch.no_grad()
     def greedy_many(self, prompts: Sequence[list[int]], max_new_tokens: int, stop_eos: bool = True
@@ -278,6 +268,15 @@ def is_export(source) -> bool:
 SCORING_DTYPES = ("float32", "bfloat16")
 
 
+def check_scoring_dtype(dtype: str) -> None:
+    """Raises ConfigError unless ``dtype`` is one of :data:`SCORING_DTYPES`."""
+    if dtype not in SCORING_DTYPES:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"--dtype {dtype} is not one of {', '.join(SCORING_DTYPES)}",
+                          "pass --dtype float32 or --dtype bfloat16")
+
+
 def scoring_model(model, dtype: str = "float32"):
     """``model`` as scored in ``dtype``: itself for ``"float32"``, a ``bfloat16`` copy for
     ``"bfloat16"`` (the original is left as it is; log-probabilities are still taken in
@@ -295,9 +294,7 @@ def scoring_model(model, dtype: str = "float32"):
     """
     from ..errors import ConfigError
 
-    if dtype not in SCORING_DTYPES:
-        raise ConfigError(f"scoring dtype {dtype!r} is not one of {', '.join(SCORING_DTYPES)}",
-                          "pass --dtype float32 or --dtype bfloat16")
+    check_scoring_dtype(dtype)
     if dtype == "float32":
         return model
     if not isinstance(model, torch.nn.Module):
@@ -339,4 +336,4 @@ def load_evaluated(source, threads: Optional[int] = None, device: str = "cpu"):
 
 
 __all__ = ["TorchBackend", "RuntimeBackend", "RuntimeModel", "backend_for", "load_evaluated",
-           "is_export", "scoring_model", "SCORING_DTYPES"]
+           "is_export", "scoring_model", "check_scoring_dtype", "SCORING_DTYPES"]

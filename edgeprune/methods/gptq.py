@@ -151,7 +151,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
         mask = mask.to(device=dev, dtype=torch.bool)
         W = W * mask
     H = fix_dead_channels(H.detach().float().to(dev))
-    W0, H0 = (W.clone(), H) if refit else (None, None)
+    W0, H0 = W, H           # neither is changed in place below (the sweep copies W)
 
     def grid(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale and zero ``[out, 1]`` of one group ``w [out, k]`` (``h``: its ``[k, k]`` block of H)."""
@@ -194,7 +194,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
             s, z = grid(W, H)
             scales[:, 0], zeros[:, 0] = s[:, 0], z[:, 0]
             cur["s"], cur["z"] = s[:, 0], z[:, 0]
-        sweep = OBSSweep(W.clone(), U, blocksize=blocksize)
+        sweep = OBSSweep(W, U, blocksize=blocksize)
 
         def step(col: int, w: torch.Tensor) -> torch.Tensor:
             if static_s is not None:

@@ -315,11 +315,9 @@ def check_config(config: StudyConfig) -> None:
             raise ConfigError(f"{name}={v!r} must be a positive integer", f"pass e.g. --{name.replace('_', '-')} 512")
     if config.limit is not None and config.limit < 1:
         raise ConfigError(f"--limit {config.limit} must be positive", "pass e.g. --limit 500")
-    from ..evaluation.backends import SCORING_DTYPES
+    from ..evaluation.backends import check_scoring_dtype
 
-    if config.dtype not in SCORING_DTYPES:
-        raise ConfigError(f"--dtype {config.dtype} is not one of {', '.join(SCORING_DTYPES)}",
-                          "pass --dtype float32 or --dtype bfloat16")
+    check_scoring_dtype(config.dtype)
     if config.continuations < 0:
         raise ConfigError(f"--continuations {config.continuations} must be >= 0", "pass e.g. --continuations 32")
 
