@@ -48,6 +48,9 @@ DOC_TABLES = {
     "accuracy_levels": ("docs/int4-export.md", ("argmax_agree", "max_abs_dlogit", "argmax_agree_onepass_vs_exact",
                                                 "argmax_agree_decode_vs_exact", "decode_tok_s_t1",
                                                 "ratio_vs_level4_t1", "decode_tok_s_t2", "ratio_vs_level4_t2")),
+    "accuracy_levels_vproj": ("docs/int4-export.md", ("argmax_agree", "argmax_agree_onepass_vs_exact",
+                                                      "argmax_agree_decode_vs_exact", "decode_tok_s_t1",
+                                                      "ratio_vs_level4_t1", "decode_tok_s_t2", "ratio_vs_level4_t2")),
     "accuracy_levels_default": ("docs/int4-export.md", ("argmax_agree", "max_abs_dlogit", "argmax_agree_onepass_vs_exact",
                                                 "argmax_agree_decode_vs_exact", "decode_tok_s_t1",
                                                 "ratio_vs_level4_t1", "decode_tok_s_t2", "ratio_vs_level4_t2")),
@@ -77,13 +80,14 @@ DOC_TABLES = {
         "decode_tok_s", "decode_tok_s:theirs", "decode_ratio_paired", "decode_ratio_paired_min",
         "decode_ratio_paired_max", "peak_rss_mib", "peak_rss_mib:theirs", "kv_cache_mib", "kv_cache_mib:theirs")),
     # the study grid (bench/study.py): summary, tasks, languages
-    "study_smollm2-135m": ("docs/study.md", ("ppl", "kl_nats", "top1_agree_pct", "snr_db", "cont_changed_pct",
-                                             "acc_mean_pct", "lang_change_mean_pct", "avg_bits", "compress_s",
-                                             "grid_wall_min", "cells", "note")),
-    "study_smollm2-135m_tasks": ("docs/study.md", tuple(f"acc_{t}_pct" for t in (
-        "piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "boolq", "openbookqa", "mean"))),
-    "study_smollm2-135m_langs": ("docs/study.md", tuple(f"{m}_{c}" for c in (
-        "eng", "deu", "fra", "spa", "zho-CN", "rus", "arb") for m in ("ppl", "change_pct"))),
+    **{f"study_{m}{tag}": ("docs/study.md", cols) for m in ("smollm2-135m", "gemma3-270m")
+       for tag, cols in (
+           ("", ("ppl", "kl_nats", "top1_agree_pct", "snr_db", "cont_changed_pct", "acc_mean_pct",
+                 "lang_change_mean_pct", "avg_bits", "compress_s", "grid_wall_min", "cells", "note")),
+           ("_tasks", tuple(f"acc_{t}_pct" for t in ("piqa", "arc_easy", "arc_challenge", "hellaswag",
+                                                     "winogrande", "boolq", "openbookqa", "mean"))),
+           ("_langs", tuple(f"{k}_{c}" for c in ("eng", "deu", "fra", "spa", "zho-CN", "rus", "arb")
+                            for k in ("ppl", "change_pct"))))},
     **{stem: ("docs/evaluation.md", tuple(f"ppl_increase_pct_{c}" for c in (
         "eng", "arb", "deu", "fra", "rus", "spa", "zho-CN")) + ("worst_over_en", "ppl_increase_pct_wikitext2"))
        for stem in ("calibration_languages", "calibration_languages_clip")},
