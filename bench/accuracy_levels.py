@@ -15,6 +15,8 @@ overrides (``exporters.export_onnx(accuracy_levels=...)``, ``edgeprune export
 * ``argmax_agree_{onepass,decode}_vs_exact``: each path against the all-level-0 export's
   one-pass logits (fp32 activations: the compute the PyTorch fake-quant model does), which
   says which path the int8 activations move;
+* ``wikitext2_ppl`` (with ``--ppl-windows N``): one-pass perplexity of the export on
+  WikiText-2 test, N x 512, no BOS (what ``edgeprune eval EXPORT --text`` reports);
 * ``decode_tok_s_t{1,2}``: decode tokens/s (prompt 128, 128 new tokens, the profiler's
   isolated worker), settings interleaved round by round (``--rounds``), and the same-round
   ratio to the all-level-4 export (``ratio_vs_level4_t{n}``, median over rounds).
@@ -47,6 +49,7 @@ SETTINGS: dict[str, tuple[int, dict]] = {
     "down_proj+lm_head=0": (4, {"down_proj": 0, "lm_head": 0}),
     "mlp=0": (4, {"down_proj": 0, "gate_proj": 0, "up_proj": 0}),
     "attn=0": (4, {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 0}),
+    "v_proj=0": (4, {"v_proj": 0}),
     "decoder=0": (0, {"lm_head": 4}),
     "level0": (0, {}),
     "level0+fp_head": (0, {}, "fp"),
@@ -81,6 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=None, help="speed rounds (default 4)")
     ap.add_argument("--threads", default="1,2", help="thread counts timed")
+    ap.add_argument("--ppl-windows", type=int, default=0,
+                    help="also score each export's WikiText-2 perplexity on N x 512 windows (0 = skip)")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--work", default=None, help="export cache folder (default bench/.cache/accuracy_levels)")
     a = ap.parse_args(argv)
@@ -147,6 +152,16 @@ def main(argv=None) -> int:
             recs.append(benchlib.record(n, f"argmax_agree_{path}_vs_exact", pe.argmax_agree))
             line += f"  | {path} vs exact {pe.argmax_agree:.4f}"
         print(line, flush=True)
+
+    if a.ppl_windows:
+        from edgeprune.evaluate import perplexity
+        from edgeprune.evaluation.backends import RuntimeModel
+        for n in names:
+            with runtime.load(folders[n], threads=None) as s:
+                r = perplexity(RuntimeModel(s), tok, benchlib.WIKI, seqlen=512, nwindows=a.ppl_windows,
+                               progress=False)
+            recs.append(benchlib.record(n, "wikitext2_ppl", r.ppl))
+            print(f"{n:24s} WikiText-2 perplexity {r.ppl:.3f} ({a.ppl_windows} x 512)", flush=True)
 
     if not a.skip_speed:
         from edgeprune_devices.profiler import profile

@@ -48,7 +48,8 @@ DOC_TABLES = {
     "accuracy_levels": ("docs/int4-export.md", ("argmax_agree", "max_abs_dlogit", "argmax_agree_onepass_vs_exact",
                                                 "argmax_agree_decode_vs_exact", "decode_tok_s_t1",
                                                 "ratio_vs_level4_t1", "decode_tok_s_t2", "ratio_vs_level4_t2")),
-    "accuracy_levels_vproj": ("docs/int4-export.md", ("argmax_agree", "argmax_agree_onepass_vs_exact",
+    "activation_quant": ("docs/int4-export.md", ("wikitext2_ppl",)),
+    "accuracy_levels_vproj": ("docs/int4-export.md", ("wikitext2_ppl", "argmax_agree", "argmax_agree_onepass_vs_exact",
                                                       "argmax_agree_decode_vs_exact", "decode_tok_s_t1",
                                                       "ratio_vs_level4_t1", "decode_tok_s_t2", "ratio_vs_level4_t2")),
     "accuracy_levels_default": ("docs/int4-export.md", ("argmax_agree", "max_abs_dlogit", "argmax_agree_onepass_vs_exact",
@@ -128,6 +129,7 @@ make bench-docs                       # this page and the README's table
 | `compare_llamacpp.py` | our int4 export vs llama.cpp Q4_0 / Q4_1 (speed, memory, perplexity) |
 | `lookup.py` | prompt-lookup decoding, ours vs llama.cpp's, by kind of text |
 | `best_w4.py`, `calibration_domain.py`, `calibration_languages.py` | the default recipe and the calibration text |
+| `accuracy_levels.py`, `activation_quant.py` | int4 `MatMulNBits` accuracy levels: one pass vs decode path, decode cost, the int8 activations' perplexity cost |
 | `study.py`, `task_parity.py` | the pruning-vs-quantization study grid; task scores vs lm-eval |
 | `leank.py`, `countdown.py`, `countdown_study.py` | the LeanK and COUNTDOWN variants |
 | `kernel_ceiling.py`, `gather_bandwidth.py`, `head_two_stage.py`, `hugepages_ab.py` | kernels, memory and decode-step studies |
