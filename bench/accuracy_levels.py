@@ -157,7 +157,7 @@ def main(argv=None) -> int:
         from edgeprune.evaluate import perplexity
         from edgeprune.evaluation.backends import RuntimeModel
         for n in names:
-            with runtime.load(folders[n], threads=None) as s:
+            with runtime.load(folders[n]) as s:
                 r = perplexity(RuntimeModel(s), tok, benchlib.WIKI, seqlen=512, nwindows=a.ppl_windows,
                                progress=False)
             recs.append(benchlib.record(n, "wikitext2_ppl", r.ppl))

@@ -73,7 +73,8 @@ def main(argv=None) -> int:
 
     def pre(name):
         def hook(mod, args):
-            if state["on"] and not name.endswith(state["skip"] or "\0"):
+            lifted = bool(state["skip"]) and name.endswith(state["skip"])
+            if state["on"] and not lifted:
                 return (int8_blocks(args[0], block),)
         return hook
 
