@@ -6,9 +6,9 @@ own time, said so, when it is not committed as it is).
 
 * ``docs/benchmarks.md``: how to run the benches, then one table per results file
   (``case, metric, ours, peer, theirs, ratio``), newest file first.
-* ``README.md``, between ``<!-- results:start -->`` and ``<!-- results:end -->``: for each
-  peer tool, the records of its main bench (:data:`MAIN_BENCH`): one row per metric, the
-  first case of the file that has both figures.
+* ``README.md``, between ``<!-- results:start -->`` and ``<!-- results:end -->``: the
+  headline comparisons (:data:`README_BENCHES`): one row per peer, model and case, a column
+  per metric (``ours vs theirs (ratio)``).
 * the page of each results file of :data:`DOC_TABLES`, between
   ``<!-- results:<stem>:start -->`` and ``<!-- results:<stem>:end -->``: the file pivoted,
   a row per case and a column per chosen metric (:func:`render_pivot`).
@@ -33,9 +33,31 @@ import benchlib
 DOC = benchlib.ROOT / "docs" / "benchmarks.md"
 README = benchlib.ROOT / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-# the bench whose results file (bench/results/<name>.json) speaks for each peer in the README
-MAIN_BENCH = {"llama.cpp": "compare_llamacpp", "onnxruntime-genai": "compare_runtimes",
-              "llm-compressor": "compare_methods"}
+# The README's table: (peer, model, results stem, metrics shown from it), in order. Speeds
+# and memory come from one host's files (the AVX-512 host of 2026-12-05); perplexity and
+# compression time from the files that measured them (perplexity does not depend on the host).
+_SPEED = ("decode_tok_s", "peak_rss_mib")
+README_BENCHES = (
+    ("llama.cpp", "SmolLM2-135M", "compare_llamacpp_smollm2_avx512", _SPEED),
+    ("llama.cpp", "Qwen2.5-Coder-0.5B", "compare_llamacpp_qwen2.5-coder-0.5b_rtn-g64", ("ppl",)),
+    ("llama.cpp", "Qwen2.5-Coder-0.5B", "compare_llamacpp_qwen2.5-coder-0.5b_speed_avx512", _SPEED),
+    ("llama.cpp", "Gemma-3-270M", "compare_llamacpp_gemma3-270m_h4", ("ppl",)),
+    ("llama.cpp", "Gemma-3-270M", "compare_llamacpp_gemma3-270m_h4_avx512", _SPEED),
+    ("onnxruntime-genai", "SmolLM2-135M", "compare_runtimes_smollm2_avx512", _SPEED),
+    ("onnxruntime-genai", "Qwen2.5-Coder-0.5B", "compare_runtimes_qwen2.5-coder-0.5b", ("wikitext2_ppl",)),
+    ("onnxruntime-genai", "Qwen2.5-Coder-0.5B", "compare_runtimes_qwen2.5-coder-0.5b_avx512", _SPEED),
+    ("onnxruntime-genai", "Gemma-3-270M", "compare_runtimes_gemma3-270m_gptq-g128-h4", ("wikitext2_ppl",)),
+    ("onnxruntime-genai", "Gemma-3-270M", "compare_runtimes_gemma3-270m_gptq-g128-h4_avx512", _SPEED),
+    ("llm-compressor", "Qwen2.5-Coder-0.5B", "compare_methods_qwen2.5-coder-0.5b", ("ppl", "compress_s")),
+)
+# the model aliases that prefix the cases of the families' benches
+MODEL_PREFIXES = ("smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m")
+# the README's columns: (heading, metrics that fill it; ppl and wikitext2_ppl are both
+# WikiText-2 test, 40 x 512 tokens)
+README_COLUMNS = (("decode tok/s (higher wins)", ("decode_tok_s",)),
+                  ("peak RSS MiB (lower wins)", ("peak_rss_mib",)),
+                  ("WikiText-2 perplexity (lower wins)", ("ppl", "wikitext2_ppl")),
+                  ("compression s (lower wins)", ("compress_s",)))
 # results files shown as a case x metric table on a page: results stem -> (page, metrics)
 _IG_METRICS = ("wikitext2_ppl", "ppl_lang_mean", "acc_task_mean", "kl_nats", "ppl_eng", "ppl_deu",
                "ppl_fra", "ppl_spa", "ppl_arb", "ppl_rus", "ppl_zho-CN", "acc_piqa", "acc_arc_easy",
@@ -208,29 +230,38 @@ def render_benchmarks(files: Sequence[tuple[str, str, list]]) -> str:
     return PREAMBLE + "\n" + "\n".join(body)
 
 
-def render_summary(files: Sequence[tuple[str, str, list]]) -> str:
-    """The README's table: for each peer of :data:`MAIN_BENCH` whose main results file is
-    among ``files``, one row per metric (the file's first case with both figures)."""
+def render_summary(files: Sequence[tuple[str, str, list]], benches=README_BENCHES) -> str:
+    """The README's table: for each ``(peer, model, stem, metrics)`` of ``benches`` whose
+    results file is among ``files``, one row per case that has one of ``metrics`` with both
+    figures; a column per :data:`README_COLUMNS` entry, each cell ``ours vs theirs
+    (ratio)``; the file and its date last. :data:`NO_RESULTS` when no row has a figure."""
     by_stem = {Path(n).stem: (n, d, r) for n, d, r in files}
     rows = []
-    for peer, stem in MAIN_BENCH.items():
+    for peer, model, stem, metrics in benches:
         if stem not in by_stem:
             continue
         name, date, records = by_stem[stem]
-        seen = set()
+        cases: dict = {}
         for r in records:
-            if r["peer"] != peer or r["metric"] in seen or ratio(r["ours"], r["theirs"]) is None:
-                continue
-            seen.add(r["metric"])
-            rows.append("| " + " | ".join([peer, r["metric"], fmt(r["ours"]), fmt(r["theirs"]),
-                                            fmt_ratio(ratio(r["ours"], r["theirs"])), r["case"],
-                                            f"`{name}`, {date}"]) + " |")
+            if r["peer"] == peer and r["metric"] in metrics and ratio(r["ours"], r["theirs"]) is not None:
+                cases.setdefault(r["case"], {}).setdefault(r["metric"], r)
+        for case, got in cases.items():
+            cells = []
+            for _, col in README_COLUMNS:
+                r = next((got[m] for m in col if m in got), None)
+                cells.append("" if r is None else
+                             f"{fmt(r['ours'])} vs {fmt(r['theirs'])} ({fmt_ratio(ratio(r['ours'], r['theirs']))})")
+            head, _, rest = case.partition("/")
+            shown = rest if rest and head in MODEL_PREFIXES else case      # the model is a column
+            rows.append("| " + " | ".join([peer, model, fmt(shown), *cells, f"`{name}`, {date}"]) + " |")
     if not rows:
         return NO_RESULTS
-    return "\n".join(["| peer | metric | ours | theirs | ratio | case | from |",
-                      "|---|---|---|---|---|---|---|", *rows,
-                      "", "Generated by `bench/report.py` from `bench/results/`; every case of every "
-                      "bench is in [docs/benchmarks.md](docs/benchmarks.md)."])
+    head = ["peer", "model", "case", *(h for h, _ in README_COLUMNS), "from"]
+    return "\n".join(["| " + " | ".join(head) + " |", "|---" * len(head) + "|", *rows,
+                      "", "Each cell: ours vs the peer's (ratio, ours / theirs). Generated by "
+                      "`bench/report.py` from `bench/results/`; every case of every bench is in "
+                      "[docs/benchmarks.md](docs/benchmarks.md), and what each export is in "
+                      "[docs/models.md](docs/models.md)."])
 
 
 def render_pivot(name: str, date: str, records: Sequence[dict], metrics: Sequence[str]) -> str:

@@ -108,20 +108,34 @@ def test_report_renders_a_results_file(report):
 """
 
 
-def test_report_summary_one_row_per_peer_and_metric(report, tmp_path):
+def test_report_summary_one_row_per_case_with_a_column_per_metric(report, tmp_path):
     (tmp_path / "compare_llamacpp.json").write_text(json.dumps(SMALL))
     (tmp_path / "other.json").write_text(json.dumps(SMALL[:2]))
     files = report.load_results(tmp_path)
     assert [f[0] for f in files] == ["compare_llamacpp.json", "other.json"]
     assert "not committed" in files[0][1] and re.search(r"\d{4}-\d\d-\d\d", files[0][1])
-    summary = report.render_summary(files)
+    benches = (("llama.cpp", "SmolLM2-135M", "compare_llamacpp", ("decode_tok_s", "peak_rss_mib")),
+               ("llama.cpp", "Gemma-3-270M", "missing", ("decode_tok_s",)))
+    summary = report.render_summary(files, benches)
     rows = [r for r in summary.splitlines() if r.startswith("| llama.cpp")]
-    # the first case of each metric with both figures; t2 and the error are not repeated
-    assert [r.split(" | ")[1] for r in rows] == ["decode_tok_s", "peak_rss_mib"]
-    assert rows[0].startswith("| llama.cpp | decode_tok_s | 52.61 | 50.20 | 1.05 | int4_vs_q4_0/t1 |")
+    # a row per case with a figure on both sides: the error and the one-sided ratio are not rows
+    assert [r.split(" | ")[2] for r in rows] == ["int4_vs_q4_0/t1", "int4_vs_q4_0/t2"]
+    assert rows[0].startswith("| llama.cpp | SmolLM2-135M | int4_vs_q4_0/t1 | 52.61 vs 50.20 (1.05) "
+                              "| 215.3 vs 222.0 (0.97) |  |  | `compare_llamacpp.json`, written ")
+    assert "| 73.30 vs 77.50 (0.95) |  |  |  |" in rows[1]
+    # the model alias prefixing a family's cases is dropped (the model is a column)
+    fam = [{**r, "case": "gemma3-270m/" + r["case"]} for r in SMALL]
+    (tmp_path / "fam.json").write_text(json.dumps(fam))
+    rows = report.render_summary(report.load_results(tmp_path),
+                                 (("llama.cpp", "Gemma-3-270M", "fam", ("decode_tok_s",)),)).splitlines()
+    assert rows[2].startswith("| llama.cpp | Gemma-3-270M | int4_vs_q4_0/t1 | 52.61 vs 50.20 (1.05) |  |")
     doc = report.render_benchmarks(files)
     assert doc.startswith(report.PREAMBLE) and doc.count("| case | metric | ours |") == 2
     assert report.render_summary([]) == report.NO_RESULTS
+    assert report.render_summary(files, benches[1:]) == report.NO_RESULTS
+    # every file the README names exists (a renamed results file would empty its rows)
+    stems = {p.stem for p in report.benchlib.RESULTS.glob("*.json")}
+    assert [b[2] for b in report.README_BENCHES if b[2] not in stems] == []
 
 
 def test_report_fills_the_readme_block(report):
