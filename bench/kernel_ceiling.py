@@ -16,6 +16,16 @@ the kernels allow (README, "Where the 1-thread decode gap to llama.cpp is"):
 * ``GroupQueryAttention`` (9 query / 3 KV heads of 64, rotary inside, shared KV buffer
   bound with IOBinding) per call at 16, 190 and 290 cached tokens.
 
+* ``--attention``: a decode step's attention at long contexts (issue 25, items 1 and 4), 30
+  layers of SmolLM2's heads at each ``--contexts`` length: onnxruntime's
+  ``GroupQueryAttention`` over the fp32 shared buffers (what the exports run) against the
+  one candidate built from standard operators that reads the cache once per KV group: a
+  time-major cache ``[T, kv*D]`` (a prefix of a preallocated buffer, bound zero-copy), the
+  scores of all 9 query heads as one ``Gemm`` with a block-diagonal query ``[kv*D, 9]``,
+  ``Softmax`` over time, and one ``Gemm`` (``transA``) with the values; and the floor: the
+  same K and V bytes read once by numpy (a sum, one thread). Its output is checked against a
+  numpy reference before it is timed.
+
 Each figure is the best of ``--repeat`` medians; the per-call Python overhead of
 ``session.run`` (measured on a tiny node) is subtracted from the hot figures. No peer
 runs here: records carry ``peer``/``theirs`` null.
@@ -23,6 +33,7 @@ runs here: records carry ``peer``/``theirs`` null.
 Usage::
 
     python bench/kernel_ceiling.py --quick --json bench/results/kernel_ceiling.json
+    python bench/kernel_ceiling.py --attention --threads 1 2 --json bench/results/attention_ceiling.json
 """
 
 from __future__ import annotations
@@ -115,11 +126,123 @@ def gqa_session(nlayers: int, max_len: int, threads: int):
     return _session(nodes, ins, outs, inits, threads), (H, KVH, D)
 
 
+def blockgemm_session(nlayers: int, threads: int, heads=(9, 3, 64)):
+    """``nlayers`` attention blocks over time-major caches ``K{i}, V{i} [T, kv*D]`` from
+    standard operators (the ``--attention`` candidate): ``q [1, 1, H*D]`` -> block-diagonal
+    ``[kv*D, H]`` (each KV group's queries in its own rows, the scale folded in) -> scores
+    ``Gemm(K, q) [T, H]`` -> ``Softmax`` over time -> ``Gemm(P^T, V) [H, kv*D]`` -> each
+    head's own group's block -> ``[1, 1, H*D]``, the next block's query."""
+    H, KVH, D = heads
+    G = H // KVH
+    eye = np.zeros((KVH, 1, KVH, 1), np.float32)
+    for k in range(KVH):
+        eye[k, 0, k, 0] = 1
+    inits = [numpy_helper.from_array((eye / math.sqrt(D)).astype(np.float32), "eye_s"),
+             numpy_helper.from_array(eye, "eye"),
+             numpy_helper.from_array(np.array([KVH, G, D], np.int64), "s_q"),
+             numpy_helper.from_array(np.array([1, D, KVH, G], np.int64), "s_qt"),
+             numpy_helper.from_array(np.array([KVH * D, H], np.int64), "s_qm"),
+             numpy_helper.from_array(np.array([KVH, G, KVH, D], np.int64), "s_o"),
+             numpy_helper.from_array(np.array([1, 1, H * D], np.int64), "s_out"),
+             numpy_helper.from_array(np.array([2], np.int64), "axis2")]
+    ins = [helper.make_tensor_value_info("q0", TensorProto.FLOAT, [1, 1, H * D])]
+    nodes = []
+    for i in range(nlayers):
+        ins += [helper.make_tensor_value_info(f"K{i}", TensorProto.FLOAT, ["T", KVH * D]),
+                helper.make_tensor_value_info(f"V{i}", TensorProto.FLOAT, ["T", KVH * D])]
+        p = f"l{i}_"
+        nodes += [helper.make_node("Reshape", [f"q{i}", "s_q"], [p + "q"]),
+                  helper.make_node("Transpose", [p + "q"], [p + "qt"], perm=[2, 0, 1]),
+                  helper.make_node("Reshape", [p + "qt", "s_qt"], [p + "q4"]),
+                  helper.make_node("Mul", [p + "q4", "eye_s"], [p + "qb"]),
+                  helper.make_node("Reshape", [p + "qb", "s_qm"], [p + "qm"]),
+                  helper.make_node("Gemm", [f"K{i}", p + "qm"], [p + "s"]),
+                  helper.make_node("Softmax", [p + "s"], [p + "p"], axis=0),
+                  helper.make_node("Gemm", [p + "p", f"V{i}"], [p + "o"], transA=1),
+                  helper.make_node("Reshape", [p + "o", "s_o"], [p + "o4"]),
+                  helper.make_node("Mul", [p + "o4", "eye"], [p + "ob"]),
+                  helper.make_node("ReduceSum", [p + "ob", "axis2"], [p + "og"], keepdims=0),
+                  helper.make_node("Reshape", [p + "og", "s_out"], [f"q{i + 1}"])]
+    outs = [helper.make_tensor_value_info(f"q{nlayers}", TensorProto.FLOAT, [1, 1, H * D])]
+    return _session(nodes, ins, outs, inits, threads)
+
+
+def _attention_reference(q: np.ndarray, K: np.ndarray, V: np.ndarray, heads=(9, 3, 64)) -> np.ndarray:
+    """One block of :func:`blockgemm_session` in numpy: ``q [H*D]``, ``K, V [T, kv*D]``."""
+    H, KVH, D = heads
+    G = H // KVH
+    out = np.empty((H, D), np.float64)
+    for h in range(H):
+        k = h // G
+        s = K[:, k * D:(k + 1) * D].astype(np.float64) @ q[h * D:(h + 1) * D] / math.sqrt(D)
+        w = np.exp(s - s.max())
+        out[h] = (w / w.sum()) @ V[:, k * D:(k + 1) * D]
+    return out.reshape(-1)
+
+
+def attention_ceiling(contexts, threads: int, calls: int, repeat: int, rec, nlayers: int = 30) -> None:
+    """The ``--attention`` figures for one thread count (module docstring)."""
+    rng = np.random.default_rng(2)
+    L = max(contexts) + 1
+    gqa, (H, KVH, D) = gqa_session(nlayers, L, threads)
+    kv = [rng.standard_normal((1, KVH, L, D)).astype(np.float32) for _ in range(2 * nlayers)]
+    qkv = rng.standard_normal((1, 1, (H + 2 * KVH) * D)).astype(np.float32)
+    outs = [np.zeros((1, 1, H * D), np.float32) for _ in range(nlayers)]
+    blk = blockgemm_session(nlayers, threads)
+    tm = [rng.standard_normal((L, KVH * D)).astype(np.float32) for _ in range(2 * nlayers)]
+    q0 = (rng.standard_normal((1, 1, H * D)) * 0.5).astype(np.float32)
+    print(f"{'attention, ' + str(nlayers) + ' layers':<26}{'KV MiB':>8}{'GQA ms':>9}{'1-GEMM ms':>11}"
+          f"{'read floor ms':>15}{'GQA GB/s':>10}")
+    for ctx in contexts:
+        bd = gqa.io_binding()
+        bd.bind_cpu_input("qkv", qkv)
+        bd.bind_cpu_input("seqlens_k", np.array([ctx - 1], np.int32))
+        bd.bind_cpu_input("total", np.array(ctx, np.int32))
+        for i in range(nlayers):
+            k, v = (ort.OrtValue.ortvalue_from_numpy(kv[2 * i]), ort.OrtValue.ortvalue_from_numpy(kv[2 * i + 1]))
+            bd.bind_ortvalue_input(f"pk{i}", k)
+            bd.bind_ortvalue_input(f"pv{i}", v)
+            bd.bind_ortvalue_output(f"ok{i}", k)
+            bd.bind_ortvalue_output(f"ov{i}", v)
+            bd.bind_ortvalue_output(f"o{i}", ort.OrtValue.ortvalue_from_numpy(outs[i]))
+        n = max(5, calls // 10)
+        t_gqa = _best_median(lambda: gqa.run_with_iobinding(bd), n, repeat)
+        bb = blk.io_binding()
+        bb.bind_cpu_input("q0", q0)
+        for i in range(nlayers):      # zero-copy prefixes of the preallocated buffers
+            bb.bind_ortvalue_input(f"K{i}", ort.OrtValue.ortvalue_from_numpy(tm[2 * i][:ctx]))
+            bb.bind_ortvalue_input(f"V{i}", ort.OrtValue.ortvalue_from_numpy(tm[2 * i + 1][:ctx]))
+        bb.bind_output(f"q{nlayers}", "cpu")
+        blk.run_with_iobinding(bb)
+        one = blockgemm_session(1, threads)
+        got = one.run(None, {"q0": q0, "K0": tm[0][:ctx], "V0": tm[1][:ctx]})[0].reshape(-1)
+        err = float(np.abs(got - _attention_reference(q0.reshape(-1), tm[0][:ctx], tm[1][:ctx])).max())
+        if err > 1e-4:
+            raise RuntimeError(f"the one-GEMM attention differs from the reference by {err:.2e} at {ctx} tokens")
+        t_blk = _best_median(lambda: blk.run_with_iobinding(bb), n, repeat)
+        views = [a[:ctx] for a in tm]
+        t_read = _best_median(lambda: [float(v.sum()) for v in views], n, repeat)
+        nbytes = 2 * nlayers * ctx * KVH * D * 4
+        case = f"attention_ctx{ctx}/t{threads}"
+        rec(case, "kv_mib", nbytes / 2 ** 20)
+        rec(case, "gqa_ms", t_gqa * 1e3)
+        rec(case, "one_gemm_ms", t_blk * 1e3)
+        rec(case, "kv_read_floor_ms", t_read * 1e3)
+        rec(case, "gqa_gb_s", nbytes / t_gqa / 1e9)
+        rec(case, "one_gemm_max_abs_err", err)
+        print(f"{'ctx ' + str(ctx):<26}{nbytes / 2 ** 20:>8.1f}{t_gqa * 1e3:>9.2f}{t_blk * 1e3:>11.2f}"
+              f"{t_read * 1e3:>15.2f}{nbytes / t_gqa / 1e9:>10.1f}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     benchlib.add_common_args(ap, "fewer calls per figure (~1 min)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--repeat", type=int, default=None, help="medians per figure (default 5, quick 2)")
+    ap.add_argument("--attention", action="store_true",
+                    help="only the long-context attention figures (module docstring)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096],
+                    help="cached tokens for --attention")
     a = ap.parse_args(argv)
     repeat = a.repeat or (2 if a.quick else 5)
     calls = 30 if a.quick else 100
@@ -130,6 +253,13 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(1)
     print(f"onnxruntime {ort.__version__}; best of {repeat} medians of {calls} calls")
+    if a.attention:
+        for t in a.threads:
+            print(f"\n{t} thread(s)")
+            attention_ceiling(a.contexts, t, calls, repeat, rec)
+        if a.json:
+            benchlib.write_records(a.json, records)
+        return 0
     for t in a.threads:
         tiny, _ = matmulnbits(64, 16, 4, True, t)
         x64 = rng.standard_normal((1, 64)).astype(np.float32)
