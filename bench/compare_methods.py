@@ -35,8 +35,9 @@ New methods and their peers (issue 28):
 * ``fista_50`` / ``fista_2:4``: FISTAPruner (``edgeprune.methods.fista``) vs llm-compressor's
   SparseGPT (the ``sparsegpt`` / ``sparsegpt24`` peer runs) and vs our ``sparsegpt_*`` and
   ``wanda_*``.
-* ``best-w4``, ``best-w4-signround``, ``best-50``, ``best-2-4``: the shipped presets
-  (``edgeprune/recipes/*.yaml``), with their bits per weight (metric ``bits_per_weight``).
+* every shipped preset by its name (``best-w4``, ``best-w4-refit``, ``best-w4-signround``,
+  ``best-50``, ``best-2-4``, ...: ``edgeprune/recipes/*.yaml``), and any recipe file as
+  ``recipe:PATH``, with their bits per weight (metric ``bits_per_weight``).
 
 The table "new methods vs edgeprune's own" gives the perplexity ratios against our own
 baselines when both cases ran, with the issue's bounds (SignRound <= 0.97 x GPTQ,
@@ -89,6 +90,7 @@ PEER = "llm-compressor"
 
 def cases(group_size: int = 64):
     """(case name, edgeprune config factory or None for dense, peer method key or None)."""
+    from edgeprune.pipeline import preset_names
     from edgeprune.recipe import (AWQConfig, FISTAConfig, GPTQConfig, MagnitudeConfig, RTNConfig,
                                   SignRoundConfig, SparseGPTConfig, WandaConfig)
     g = group_size
@@ -117,12 +119,17 @@ def cases(group_size: int = 64):
         (f"signround_w4g{g}", lambda: SignRoundConfig(bits=4, group_size=g, sym=True, **SIGNROUND), AUTOROUND),
         ("fista_50", lambda: FISTAConfig(sparsity=0.5), "sparsegpt"),
         ("fista_2:4", lambda: FISTAConfig(prune_n=2, prune_m=4), "sparsegpt24"),
-        # the shipped presets (edgeprune/recipes/*.yaml)
-        ("best-w4", lambda: _preset("best-w4"), None),
-        ("best-w4-signround", lambda: _preset("best-w4-signround"), None),
-        ("best-50", lambda: _preset("best-50"), None),
-        ("best-2-4", lambda: _preset("best-2-4"), None),
+        # every shipped preset (edgeprune/recipes/*.yaml), by its name
+        *[(name, (lambda n=name: _preset(n)), None) for name in preset_names()],
     ]
+
+
+def recipe_case(name: str):
+    """A ``recipe:PATH`` case (any recipe file, scored like the presets), or None when
+    ``name`` is not one."""
+    if not name.startswith("recipe:"):
+        return None
+    return (name, lambda: _preset(name.split(":", 1)[1]), None)
 
 
 def _preset(name: str):
@@ -279,9 +286,11 @@ def main(argv=None) -> int:
     log = CACHE / "compare_methods.peer.log"
     all_cases = cases(a.group_size)
     wanted = (a.cases.split(",") if a.cases else (quick_cases(a.group_size) if a.quick else [c[0] for c in all_cases]))
+    all_cases += [c for c in map(recipe_case, wanted) if c is not None]
     unknown = set(wanted) - {c[0] for c in all_cases}
     if unknown:
-        ap.error(f"unknown cases {sorted(unknown)}; known: {[c[0] for c in all_cases]}")
+        ap.error(f"unknown cases {sorted(unknown)}; known: {[c[0] for c in all_cases]} "
+                 "or recipe:PATH (a recipe file)")
 
     base, tok = load_model(a.model)
     smol = a.model == benchlib.SMOLLM2
