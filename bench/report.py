@@ -106,7 +106,8 @@ DOC_TABLES = {
     **{f"study_{m}{tag}": ("docs/study.md", cols) for m in ("smollm2-135m", "gemma3-270m")
        for tag, cols in (
            ("", ("ppl", "kl_nats", "top1_agree_pct", "snr_db", "cont_changed_pct", "acc_mean_pct",
-                 "lang_change_mean_pct", "avg_bits", "compress_s", "grid_wall_min", "cells", "note")),
+                 "lang_change_mean_pct", "avg_bits", "compress_s", "grid_wall_min", "grid_compute_min", "cells",
+                 "note")),
            ("_tasks", tuple(f"acc_{t}_pct" for t in ("piqa", "arc_easy", "arc_challenge", "hellaswag",
                                                      "winogrande", "boolq", "openbookqa", "mean"))),
            ("_langs", tuple(f"{k}_{c}" for c in ("eng", "deu", "fra", "spa", "zho-CN", "rus", "arb")

@@ -14,7 +14,9 @@ Records, case ``<model>/<cell>``:
   ``cont_changed_pct``, ``acc_mean_pct``, ``lang_change_mean_pct``, ``avg_bits``,
   ``compress_s``, and ``status`` notes for failed cells; case ``<model>/grid``:
   ``cells`` and ``grid_wall_min`` (the study's own wall time; only when that run computed
-  every cell, else a note);
+  every cell, else a note), and ``grid_compute_min``: every cell's compression seconds plus
+  every unit's own seconds, however many runs computed them (model loading excluded;
+  only when every unit carries its seconds: units cached before 2026-12-06 do not);
 * ``PATH`` with ``_tasks`` before ``.json``: ``acc_<task>_pct`` per task;
 * ``PATH`` with ``_langs``: ``ppl_<lang>`` and ``change_pct_<lang>`` per language.
 
@@ -97,12 +99,35 @@ def records(result: dict) -> tuple[list[dict], list[dict], list[dict]]:
                                 set(c.get("computed") or []) >= set(c.get("units") or {}) for c in cells)
     for model in dict.fromkeys(r["model"] for r in rows):
         summ.append(R(f"{model}/grid", "cells", sum(r["model"] == model for r in rows)))
+        compute = grid_compute_seconds([c for c in cells if c.get("model") == model])
+        if compute is not None:
+            summ.append(R(f"{model}/grid", "grid_compute_min", compute / 60.0))
         if whole:
             summ.append(R(f"{model}/grid", "grid_wall_min", (result.get("seconds") or 0.0) / 60.0))
         else:
             summ.append(benchlib.note_record(f"{model}/grid", "cells partly from the cache: "
                                              "the run's wall time is not the grid's"))
     return summ, trec, lrec
+
+
+def grid_compute_seconds(cells: list) -> "float | None":
+    """Compression seconds of every compressed cell plus the ``seconds`` of every unit of
+    every cell (``results.json``'s ``cells``), or None when a unit or a compressed cell's
+    record lacks its time (or a cell failed)."""
+    total = 0.0
+    for c in cells:
+        if c.get("status") == "failed":
+            return None
+        units = c.get("units") or {}
+        if not units or any(not isinstance((v or {}).get("seconds"), (int, float)) for v in units.values()):
+            return None
+        total += sum(v["seconds"] for v in units.values())
+        if (c.get("spec") or {}).get("method") not in (None, "dense"):
+            sec = (c.get("record") or {}).get("seconds")
+            if not isinstance(sec, (int, float)):
+                return None
+            total += sec
+    return total if cells else None
 
 
 def _sibling(path: Path, tag: str) -> Path:

@@ -12,6 +12,7 @@ every unit as soon as it is measured.
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -249,7 +250,11 @@ class StudyRunner:
         self.tick(pc.spec.label, "compress")
         return model
 
-    def _put(self, pc: PlannedCell, out: CellOutcome, unit: str, value: dict) -> None:
+    def _put(self, pc: PlannedCell, out: CellOutcome, unit: str, value: dict, seconds: float) -> None:
+        """Store a unit's result with ``seconds``, the wall time that computed it (tasks
+        scored in one harness call share its time equally), so a grid computed over
+        several runs still sums to its compute time."""
+        value = dict(value, seconds=round(float(seconds), 3))
         self.cache.put(pc.units[unit], value)
         out.units[unit] = value
         out.computed.append(unit)
@@ -259,6 +264,7 @@ class StudyRunner:
         c = self.config
         tok = st.tokenizer
         nw = c.nwindows or None
+        t0 = time.perf_counter()
         if "text" in missing:
             if pc.spec.is_dense:
                 from ..evaluation import perplexity
@@ -270,7 +276,7 @@ class StudyRunner:
                 value = fidelity(st.dense, model, tok, c.text, seqlen=c.eval_seqlen, nwindows=nw, progress=False,
                                  continuations=c.continuations, prompt_len=c.prompt_len,
                                  new_tokens=c.new_tokens).to_dict()
-            self._put(pc, out, "text", value)
+            self._put(pc, out, "text", value, time.perf_counter() - t0)
         tasks = [u.split(":", 1)[1] for u in missing if u.startswith("task:")]
         codes = [u.split(":", 1)[1] for u in missing if u.startswith("lang:")]
         if tasks or codes:
@@ -280,21 +286,24 @@ class StudyRunner:
         if tasks:
             from ..evaluation.tasks import run_tasks
 
+            t0 = time.perf_counter()
             r = run_tasks(model, tok, tasks, limit=c.limit, task_data=c.task_data, num_fewshot=c.num_fewshot,
                           progress=False)
+            share = (time.perf_counter() - t0) / len(tasks)
             for t in tasks:
                 sub = {k: v.to_dict() for k, v in r.tasks.items() if k == t or k.startswith(f"{t}_")}
                 self._put(pc, out, f"task:{t}", dict(r.tasks[t].to_dict(), subtasks=sub,
-                                                     protocol=dict(r.protocol, dtype=c.dtype)))
+                                                     protocol=dict(r.protocol, dtype=c.dtype)), share)
         if codes:
             from ..evaluation.languages import language_perplexity
 
             langs = [lt for lt in self.languages() if lt.code in codes]
             for lt in langs:
+                t0 = time.perf_counter()
                 r = language_perplexity(model, tok, [lt], lines=c.lang_lines, seqlen=c.eval_seqlen, progress=False)
                 v = r[lt.code].to_dict()
                 v["protocol"] = dict(v.get("protocol") or {}, dtype=c.dtype)
-                self._put(pc, out, f"lang:{lt.code}", v)
+                self._put(pc, out, f"lang:{lt.code}", v, time.perf_counter() - t0)
 
 
 class _PlanError(EdgePruneError):

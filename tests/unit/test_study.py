@@ -35,6 +35,9 @@ def test_grid_runs_caches_and_reruns_one_changed_cell(study_inputs, tmp_path):
     assert {p.name.split("-")[-1] for p in (tmp_path / "out/plots").iterdir()} == {
         "perplexity.png", "languages.png", "tasks.png", "disagreement.png"}
     assert "| Wanda-50% |" in (tmp_path / "out/results.md").read_text()
+    # every unit stored with the wall time that computed it (summed over runs: bench/study.py)
+    secs = [v["seconds"] for o in t1.outcomes for v in o.units.values()]
+    assert len(secs) == 3 * len(t1.outcomes[0].units) and all(s >= 0 for s in secs) and sum(secs) > 0
 
     # the same grid again: nothing computed, the same numbers
     t2 = run_study(cfg, tmp_path / "out", progress=False, log=lambda m: None, plots=False)

@@ -69,3 +69,19 @@ def test_the_documented_command_and_a_missing_run(benchlib, tmp_path):
     assert b16[b16.index("--dtype") + 1] == "bfloat16" and b16[:b16.index("--dtype")] == args[:-2]
     with pytest.raises(SystemExit, match="results.json is missing"):
         bench.main(["--from", str(tmp_path), "--json", str(tmp_path / "x.json")])
+
+
+def test_grid_compute_time_sums_every_unit_and_compression_over_runs(benchlib):
+    bench = load_bench("study")
+    dense = {"model": "m", "status": "cached", "spec": {"method": "dense"},
+             "units": {"text": {"seconds": 60.0}, "task:piqa": {"seconds": 30.0}}, "record": {}}
+    gptq = {"model": "m", "status": "computed", "spec": {"method": "gptq"},
+            "units": {"text": {"seconds": 90.0}, "task:piqa": {"seconds": 30.0}}, "record": {"seconds": 300.0}}
+    assert bench.grid_compute_seconds([dense, gptq]) == pytest.approx(510.0)
+    # a unit cached before units carried their time, a compressed cell without its
+    # compression time, or a failed cell: no figure rather than a wrong one
+    old = dict(dense, units={"text": {"ppl": 20.0}, "task:piqa": {"seconds": 30.0}})
+    assert bench.grid_compute_seconds([old, gptq]) is None
+    assert bench.grid_compute_seconds([dense, dict(gptq, record={})]) is None
+    assert bench.grid_compute_seconds([dense, {"model": "m", "status": "failed"}]) is None
+    assert bench.grid_compute_seconds([]) is None
