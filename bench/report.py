@@ -86,6 +86,8 @@ DOC_TABLES = {
                     + ("max_abs_diff_points",)),
     "compare_methods_qwen2.5-coder-0.5b": ("docs/models.md", ("ppl", "ppl:theirs", "compress_s",
                                                                 "compress_s:theirs")),
+    **{stem: ("docs/signround-fista.md", ("ppl", "bits_per_weight", "compress_s"))
+       for stem in ("compare_methods_presets", "compare_methods_presets_calib128")},
     # the AVX-512 host of 2026-12-05: every family vs llama.cpp and onnxruntime-genai (issue 22)
     **{stem: ("docs/models.md", ("decode_tok_s", "decode_tok_s:theirs", "decode_ratio_paired",
                                  "ttft_ms", "ttft_ms:theirs", "peak_rss_mib", "peak_rss_mib:theirs"))
