@@ -101,11 +101,13 @@ DOC_TABLES = {
         "nodes_per_step:theirs", "traced_step_us", "traced_step_us:theirs", "outside_nodes_us_per_step",
         "outside_nodes_us_per_step:theirs"))
        for stem in ("compare_runtimes_gemma3-270m_gptq-g128-h4_avx512", "compare_runtimes_smollm2_ops_avx512")},
+    "attention_ceiling": ("docs/kv-cache.md", ("kv_mib", "gqa_ms", "one_gemm_ms", "kv_read_floor_ms", "gqa_gb_s",
+                                               "one_gemm_max_abs_err")),
     "compare_llamacpp_longctx_avx512": ("docs/kv-cache.md", (
         "decode_tok_s", "decode_tok_s:theirs", "decode_ratio_paired", "decode_ratio_paired_min",
         "decode_ratio_paired_max", "peak_rss_mib", "peak_rss_mib:theirs", "kv_cache_mib", "kv_cache_mib:theirs")),
     # the study grid (bench/study.py): summary, tasks, languages
-    **{f"study_{m}{tag}": ("docs/study.md", cols) for m in ("smollm2-135m", "gemma3-270m")
+    **{f"study_{m}{tag}": ("docs/study.md", cols) for m in ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b")
        for tag, cols in (
            ("", ("ppl", "kl_nats", "top1_agree_pct", "snr_db", "cont_changed_pct", "acc_mean_pct",
                  "lang_change_mean_pct", "avg_bits", "compress_s", "grid_wall_min", "grid_compute_min", "cells",
