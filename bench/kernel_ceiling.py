@@ -126,6 +126,24 @@ def gqa_session(nlayers: int, max_len: int, threads: int):
     return _session(nodes, ins, outs, inits, threads), (H, KVH, D)
 
 
+def gqa_binding(sess, qkv: np.ndarray, kv: list, outs: list, ctx: int):
+    """An IOBinding of :func:`gqa_session` at ``ctx`` cached tokens: every layer's K / V
+    buffer (``kv[2i]``, ``kv[2i+1]``) bound as its past and its present (in place), its
+    output into ``outs[i]``."""
+    bd = sess.io_binding()
+    bd.bind_cpu_input("qkv", qkv)
+    bd.bind_cpu_input("seqlens_k", np.array([ctx - 1], np.int32))
+    bd.bind_cpu_input("total", np.array(ctx, np.int32))
+    for i in range(len(outs)):
+        k, v = (ort.OrtValue.ortvalue_from_numpy(kv[2 * i]), ort.OrtValue.ortvalue_from_numpy(kv[2 * i + 1]))
+        bd.bind_ortvalue_input(f"pk{i}", k)
+        bd.bind_ortvalue_input(f"pv{i}", v)
+        bd.bind_ortvalue_output(f"ok{i}", k)
+        bd.bind_ortvalue_output(f"ov{i}", v)
+        bd.bind_ortvalue_output(f"o{i}", ort.OrtValue.ortvalue_from_numpy(outs[i]))
+    return bd
+
+
 def blockgemm_session(nlayers: int, threads: int, heads=(9, 3, 64)):
     """``nlayers`` attention blocks over time-major caches ``K{i}, V{i} [T, kv*D]`` from
     standard operators (the ``--attention`` candidate): ``q [1, 1, H*D]`` -> block-diagonal
@@ -194,17 +212,7 @@ def attention_ceiling(contexts, threads: int, calls: int, repeat: int, rec, nlay
     print(f"{'attention, ' + str(nlayers) + ' layers':<26}{'KV MiB':>8}{'GQA ms':>9}{'1-GEMM ms':>11}"
           f"{'read floor ms':>15}{'GQA GB/s':>10}")
     for ctx in contexts:
-        bd = gqa.io_binding()
-        bd.bind_cpu_input("qkv", qkv)
-        bd.bind_cpu_input("seqlens_k", np.array([ctx - 1], np.int32))
-        bd.bind_cpu_input("total", np.array(ctx, np.int32))
-        for i in range(nlayers):
-            k, v = (ort.OrtValue.ortvalue_from_numpy(kv[2 * i]), ort.OrtValue.ortvalue_from_numpy(kv[2 * i + 1]))
-            bd.bind_ortvalue_input(f"pk{i}", k)
-            bd.bind_ortvalue_input(f"pv{i}", v)
-            bd.bind_ortvalue_output(f"ok{i}", k)
-            bd.bind_ortvalue_output(f"ov{i}", v)
-            bd.bind_ortvalue_output(f"o{i}", ort.OrtValue.ortvalue_from_numpy(outs[i]))
+        bd = gqa_binding(gqa, qkv, kv, outs, ctx)
         n = max(5, calls // 10)
         t_gqa = _best_median(lambda: gqa.run_with_iobinding(bd), n, repeat)
         bb = blk.io_binding()
@@ -296,17 +304,7 @@ def main(argv=None) -> int:
         outs = [np.zeros((1, 1, H * D), np.float32) for _ in range(n)]
         print(f"{'GroupQueryAttention (9 q / 3 kv heads)':<40}{'us per call':>12}")
         for ctx in (16, 190, 290):
-            bd = sess.io_binding()
-            bd.bind_cpu_input("qkv", qkv)
-            bd.bind_cpu_input("seqlens_k", np.array([ctx - 1], np.int32))
-            bd.bind_cpu_input("total", np.array(ctx, np.int32))
-            for i in range(n):
-                k, v = (ort.OrtValue.ortvalue_from_numpy(kv[2 * i]), ort.OrtValue.ortvalue_from_numpy(kv[2 * i + 1]))
-                bd.bind_ortvalue_input(f"pk{i}", k)
-                bd.bind_ortvalue_input(f"pv{i}", v)
-                bd.bind_ortvalue_output(f"ok{i}", k)
-                bd.bind_ortvalue_output(f"ov{i}", v)
-                bd.bind_ortvalue_output(f"o{i}", ort.OrtValue.ortvalue_from_numpy(outs[i]))
+            bd = gqa_binding(sess, qkv, kv, outs, ctx)
             per = _best_median(lambda: sess.run_with_iobinding(bd), max(5, calls // 5), repeat) / n
             rec(f"gqa_ctx{ctx}/t{t}", "per_call_us", per * 1e6)
             print(f"{'ctx ' + str(ctx):<40}{per * 1e6:>12.1f}")
