@@ -5,7 +5,6 @@ GroupQueryAttention), so the speeds it is compared by are of the same function."
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 
 from bench_modules import load_bench
 
