@@ -70,7 +70,10 @@ def _mapped(tmp_path: Path, pages: int = 64):
     folder = tmp_path / "export"
     folder.mkdir()
     content = os.urandom(pages * 4096)
-    (folder / "model.onnx.data").write_bytes(content)
+    with open(folder / "model.onnx.data", "wb") as f:
+        f.write(content)
+        f.flush()
+        os.fsync(f.fileno())      # clean pages: MADV_PAGEOUT keeps dirty ones resident
     with open(folder / "model.onnx.data", "rb") as f:
         m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
