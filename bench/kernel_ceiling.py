@@ -144,6 +144,41 @@ def gqa_binding(sess, qkv: np.ndarray, kv: list, outs: list, ctx: int):
     return bd
 
 
+def _blockdiag_inits(heads):
+    """Initializers of the block-diagonal query and of picking each head's block back."""
+    H, KVH, D = heads
+    G = H // KVH
+    eye = np.zeros((KVH, 1, KVH, 1), np.float32)
+    for k in range(KVH):
+        eye[k, 0, k, 0] = 1
+    return [numpy_helper.from_array((eye / math.sqrt(D)).astype(np.float32), "eye_s"),
+            numpy_helper.from_array(eye, "eye"),
+            numpy_helper.from_array(np.array([KVH, G, D], np.int64), "s_q"),
+            numpy_helper.from_array(np.array([1, D, KVH, G], np.int64), "s_qt"),
+            numpy_helper.from_array(np.array([KVH * D, H], np.int64), "s_qm"),
+            numpy_helper.from_array(np.array([KVH, G, KVH, D], np.int64), "s_o"),
+            numpy_helper.from_array(np.array([1, 1, H * D], np.int64), "s_out"),
+            numpy_helper.from_array(np.array([2], np.int64), "axis2")]
+
+
+def _blockdiag_query(q: str, p: str) -> list:
+    """``q [1, 1, H*D]`` -> ``{p}qm [kv*D, H]``: each KV group's queries in its own rows,
+    the scale folded in."""
+    return [helper.make_node("Reshape", [q, "s_q"], [p + "q"]),
+            helper.make_node("Transpose", [p + "q"], [p + "qt"], perm=[2, 0, 1]),
+            helper.make_node("Reshape", [p + "qt", "s_qt"], [p + "q4"]),
+            helper.make_node("Mul", [p + "q4", "eye_s"], [p + "qb"]),
+            helper.make_node("Reshape", [p + "qb", "s_qm"], [p + "qm"])]
+
+
+def _blockdiag_output(p: str, out: str) -> list:
+    """``{p}o [H, kv*D]`` -> each head's own group's block -> ``out [1, 1, H*D]``."""
+    return [helper.make_node("Reshape", [p + "o", "s_o"], [p + "o4"]),
+            helper.make_node("Mul", [p + "o4", "eye"], [p + "ob"]),
+            helper.make_node("ReduceSum", [p + "ob", "axis2"], [p + "og"], keepdims=0),
+            helper.make_node("Reshape", [p + "og", "s_out"], [out])]
+
+
 def blockgemm_session(nlayers: int, threads: int, heads=(9, 3, 64)):
     """``nlayers`` attention blocks over time-major caches ``K{i}, V{i} [T, kv*D]`` from
     standard operators (the ``--attention`` candidate): ``q [1, 1, H*D]`` -> block-diagonal
@@ -151,36 +186,18 @@ def blockgemm_session(nlayers: int, threads: int, heads=(9, 3, 64)):
     ``Gemm(K, q) [T, H]`` -> ``Softmax`` over time -> ``Gemm(P^T, V) [H, kv*D]`` -> each
     head's own group's block -> ``[1, 1, H*D]``, the next block's query."""
     H, KVH, D = heads
-    G = H // KVH
-    eye = np.zeros((KVH, 1, KVH, 1), np.float32)
-    for k in range(KVH):
-        eye[k, 0, k, 0] = 1
-    inits = [numpy_helper.from_array((eye / math.sqrt(D)).astype(np.float32), "eye_s"),
-             numpy_helper.from_array(eye, "eye"),
-             numpy_helper.from_array(np.array([KVH, G, D], np.int64), "s_q"),
-             numpy_helper.from_array(np.array([1, D, KVH, G], np.int64), "s_qt"),
-             numpy_helper.from_array(np.array([KVH * D, H], np.int64), "s_qm"),
-             numpy_helper.from_array(np.array([KVH, G, KVH, D], np.int64), "s_o"),
-             numpy_helper.from_array(np.array([1, 1, H * D], np.int64), "s_out"),
-             numpy_helper.from_array(np.array([2], np.int64), "axis2")]
+    inits = _blockdiag_inits(heads)
     ins = [helper.make_tensor_value_info("q0", TensorProto.FLOAT, [1, 1, H * D])]
     nodes = []
     for i in range(nlayers):
         ins += [helper.make_tensor_value_info(f"K{i}", TensorProto.FLOAT, ["T", KVH * D]),
                 helper.make_tensor_value_info(f"V{i}", TensorProto.FLOAT, ["T", KVH * D])]
         p = f"l{i}_"
-        nodes += [helper.make_node("Reshape", [f"q{i}", "s_q"], [p + "q"]),
-                  helper.make_node("Transpose", [p + "q"], [p + "qt"], perm=[2, 0, 1]),
-                  helper.make_node("Reshape", [p + "qt", "s_qt"], [p + "q4"]),
-                  helper.make_node("Mul", [p + "q4", "eye_s"], [p + "qb"]),
-                  helper.make_node("Reshape", [p + "qb", "s_qm"], [p + "qm"]),
-                  helper.make_node("Gemm", [f"K{i}", p + "qm"], [p + "s"]),
+        nodes += _blockdiag_query(f"q{i}", p)
+        nodes += [helper.make_node("Gemm", [f"K{i}", p + "qm"], [p + "s"]),
                   helper.make_node("Softmax", [p + "s"], [p + "p"], axis=0),
-                  helper.make_node("Gemm", [p + "p", f"V{i}"], [p + "o"], transA=1),
-                  helper.make_node("Reshape", [p + "o", "s_o"], [p + "o4"]),
-                  helper.make_node("Mul", [p + "o4", "eye"], [p + "ob"]),
-                  helper.make_node("ReduceSum", [p + "ob", "axis2"], [p + "og"], keepdims=0),
-                  helper.make_node("Reshape", [p + "og", "s_out"], [f"q{i + 1}"])]
+                  helper.make_node("Gemm", [p + "p", f"V{i}"], [p + "o"], transA=1)]
+        nodes += _blockdiag_output(p, f"q{i + 1}")
     outs = [helper.make_tensor_value_info(f"q{nlayers}", TensorProto.FLOAT, [1, 1, H * D])]
     return _session(nodes, ins, outs, inits, threads)
 
@@ -198,8 +215,122 @@ def _attention_reference(q: np.ndarray, K: np.ndarray, V: np.ndarray, heads=(9, 
     return out.reshape(-1)
 
 
-def attention_ceiling(contexts, threads: int, calls: int, repeat: int, rec, nlayers: int = 30) -> None:
-    """The ``--attention`` figures for one thread count (module docstring)."""
+def leank_session(nlayers: int, threads: int, dk: int, heads=(9, 3, 64)):
+    """``nlayers`` LeanK attention blocks as they would run *at speed* (issue 25, item 2):
+    in-place time-major buffers bound zero-copy, no concatenation of caches. Per layer:
+    the sink + window keys ``Kf{i} [F, kv*D]`` at full width, the middle keys ``Km{i} [Tm,
+    kv*dk]`` holding ``dk`` kept channels per KV head (``keep{i} [kv*dk]``: their rows of the
+    ``[kv*D]`` key), and all values ``V{i} [F + Tm, kv*D]`` in the same order. Scores: the
+    block-diagonal query of :func:`blockgemm_session` against ``Kf``, its kept rows
+    (``Gather``) against ``Km``; one ``Softmax`` over both; one ``Gemm`` with ``V``. LeanK (Zhang et
+    al., EMNLP 2025) learns which channels to keep; this graph times any ``dk``."""
+    H, KVH, D = heads
+    inits = _blockdiag_inits(heads)
+    ins = [helper.make_tensor_value_info("q0", TensorProto.FLOAT, [1, 1, H * D])]
+    nodes = []
+    for i in range(nlayers):
+        ins += [helper.make_tensor_value_info(f"Kf{i}", TensorProto.FLOAT, ["F", KVH * D]),
+                helper.make_tensor_value_info(f"Km{i}", TensorProto.FLOAT, ["Tm", KVH * dk]),
+                helper.make_tensor_value_info(f"V{i}", TensorProto.FLOAT, ["T", KVH * D]),
+                helper.make_tensor_value_info(f"keep{i}", TensorProto.INT64, [KVH * dk])]
+        p = f"l{i}_"
+        nodes += _blockdiag_query(f"q{i}", p)
+        nodes += [helper.make_node("Gather", [p + "qm", f"keep{i}"], [p + "qk"], axis=0),
+                  helper.make_node("Gemm", [f"Kf{i}", p + "qm"], [p + "sf"]),
+                  helper.make_node("Gemm", [f"Km{i}", p + "qk"], [p + "sm"]),
+                  helper.make_node("Concat", [p + "sf", p + "sm"], [p + "s"], axis=0),
+                  helper.make_node("Softmax", [p + "s"], [p + "p"], axis=0),
+                  helper.make_node("Gemm", [p + "p", f"V{i}"], [p + "o"], transA=1)]
+        nodes += _blockdiag_output(p, f"q{i + 1}")
+    outs = [helper.make_tensor_value_info(f"q{nlayers}", TensorProto.FLOAT, [1, 1, H * D])]
+    return _session(nodes, ins, outs, inits, threads)
+
+
+def leank_heads_session(nlayers: int, threads: int, dk: int, heads=(9, 3, 64)):
+    """The head-major form of :func:`leank_session`: per layer the sink + window keys
+    ``Kf{i} [kv, D, F]`` and the middle keys ``Kt{i} [kv, dk, Tm]`` stored transposed (a new
+    key is a column; a buffer grown in chunks, its unused columns masked), values ``V{i}
+    [kv, F + Tm, D]``. The query's kept channels come from a one-hot ``sel{i} [kv, D, dk]``;
+    each KV group's scores are one batched ``MatMul`` (no block-diagonal query, so no wasted
+    multiply-adds); ``mask [F + Tm]`` is added before the ``Softmax``."""
+    H, KVH, D = heads
+    G = H // KVH
+    inits = [numpy_helper.from_array(np.array([KVH, G, D], np.int64), "s_q"),
+             numpy_helper.from_array(np.array([1, 1, H * D], np.int64), "s_out"),
+             numpy_helper.from_array(np.array(1.0 / math.sqrt(D), np.float32), "scale")]
+    ins = [helper.make_tensor_value_info("q0", TensorProto.FLOAT, [1, 1, H * D]),
+           helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["T"])]
+    nodes = []
+    for i in range(nlayers):
+        ins += [helper.make_tensor_value_info(f"Kf{i}", TensorProto.FLOAT, [KVH, D, "F"]),
+                helper.make_tensor_value_info(f"Kt{i}", TensorProto.FLOAT, [KVH, dk, "Tm"]),
+                helper.make_tensor_value_info(f"V{i}", TensorProto.FLOAT, [KVH, "T", D]),
+                helper.make_tensor_value_info(f"sel{i}", TensorProto.FLOAT, [KVH, D, dk])]
+        p = f"l{i}_"
+        nodes += [helper.make_node("Reshape", [f"q{i}", "s_q"], [p + "q0"]),
+                  helper.make_node("Mul", [p + "q0", "scale"], [p + "q"]),
+                  helper.make_node("MatMul", [p + "q", f"sel{i}"], [p + "qk"]),
+                  helper.make_node("MatMul", [p + "q", f"Kf{i}"], [p + "sf"]),
+                  helper.make_node("MatMul", [p + "qk", f"Kt{i}"], [p + "sm"]),
+                  helper.make_node("Concat", [p + "sf", p + "sm"], [p + "s0"], axis=2),
+                  helper.make_node("Add", [p + "s0", "mask"], [p + "s"]),
+                  helper.make_node("Softmax", [p + "s"], [p + "p"], axis=2),
+                  helper.make_node("MatMul", [p + "p", f"V{i}"], [p + "o"]),
+                  helper.make_node("Reshape", [p + "o", "s_out"], [f"q{i + 1}"])]
+    outs = [helper.make_tensor_value_info(f"q{nlayers}", TensorProto.FLOAT, [1, 1, H * D])]
+    return _session(nodes, ins, outs, inits, threads)
+
+
+def leank_heads_inputs(K: np.ndarray, V: np.ndarray, keep: np.ndarray, full: int, i: int = 0,
+                       heads=(9, 3, 64)) -> dict:
+    """Layer ``i``'s :func:`leank_heads_session` inputs from a time-major cache ``K, V
+    [T, kv*D]`` (the ``full`` rows first) and ``keep [kv*dk]``."""
+    H, KVH, D = heads
+    T = K.shape[0]
+    dk = len(keep) // KVH
+    kh = K.reshape(T, KVH, D)
+    sel = np.zeros((KVH, D, dk), np.float32)
+    for k in range(KVH):
+        sel[k, keep[k * dk:(k + 1) * dk] - k * D, np.arange(dk)] = 1
+    km = np.stack([K[full:, keep[k * dk:(k + 1) * dk]].T for k in range(KVH)])
+    return {f"Kf{i}": np.ascontiguousarray(kh[:full].transpose(1, 2, 0)), f"Kt{i}": np.ascontiguousarray(km),
+            f"V{i}": np.ascontiguousarray(V.reshape(T, KVH, D).transpose(1, 0, 2)), f"sel{i}": sel}
+
+
+def _leank_reference(q: np.ndarray, K: np.ndarray, V: np.ndarray, keep: np.ndarray, full: int,
+                     heads=(9, 3, 64)) -> np.ndarray:
+    """LeanK's attention in numpy over an unpruned cache ``K, V [T, kv*D]`` (tokens in the
+    buffer's order: the ``full`` sink + window rows first): the first ``full`` keys score with
+    all channels, the rest with the ``keep [kv*dk]`` rows only."""
+    H, KVH, D = heads
+    G = H // KVH
+    kept = np.zeros(KVH * D, bool)
+    kept[keep] = True
+    out = np.empty((H, D), np.float64)
+    for h in range(H):
+        k = h // G
+        sl = slice(k * D, (k + 1) * D)
+        qh = q[h * D:(h + 1) * D].astype(np.float64)
+        s_f = K[:full, sl].astype(np.float64) @ qh
+        s_m = K[full:, sl].astype(np.float64) @ (qh * kept[sl])
+        s = np.concatenate([s_f, s_m]) / math.sqrt(D)
+        w = np.exp(s - s.max())
+        out[h] = (w / w.sum()) @ V[:, sl]
+    return out.reshape(-1)
+
+
+def leank_keep(dk: int, heads=(9, 3, 64), seed: int = 3) -> np.ndarray:
+    """``dk`` channel rows of each KV head's key, ascending (``[kv*dk]`` into ``[kv*D]``)."""
+    H, KVH, D = heads
+    rng = np.random.default_rng(seed)
+    return np.concatenate([k * D + np.sort(rng.choice(D, dk, replace=False)) for k in range(KVH)]).astype(np.int64)
+
+
+def attention_ceiling(contexts, threads: int, calls: int, repeat: int, rec, nlayers: int = 30,
+                      leank_dk: int | None = None, leank_full: int = 512) -> None:
+    """The ``--attention`` figures for one thread count (module docstring); with
+    ``leank_dk``, also :func:`leank_session` (``dk`` kept key channels per KV head,
+    ``leank_full`` sink + window tokens) at every context longer than ``leank_full``."""
     rng = np.random.default_rng(2)
     L = max(contexts) + 1
     gqa, (H, KVH, D) = gqa_session(nlayers, L, threads)
@@ -210,8 +341,15 @@ def attention_ceiling(contexts, threads: int, calls: int, repeat: int, rec, nlay
     one = blockgemm_session(1, threads)       # one block, checked against numpy at each length
     tm = [rng.standard_normal((L, KVH * D)).astype(np.float32) for _ in range(2 * nlayers)]
     q0 = (rng.standard_normal((1, 1, H * D)) * 0.5).astype(np.float32)
+    if leank_dk:
+        lk = leank_session(nlayers, threads, leank_dk)
+        lk_one = leank_session(1, threads, leank_dk)
+        lkh = leank_heads_session(nlayers, threads, leank_dk)
+        lkh_one = leank_heads_session(1, threads, leank_dk)
+        keep = leank_keep(leank_dk)
+        kmid = [np.ascontiguousarray(tm[2 * i][leank_full:, keep]) for i in range(nlayers)]
     print(f"{'attention, ' + str(nlayers) + ' layers':<26}{'KV MiB':>8}{'GQA ms':>9}{'1-GEMM ms':>11}"
-          f"{'read floor ms':>15}{'GQA GB/s':>10}")
+          f"{'read floor ms':>15}{'GQA GB/s':>10}" + (f"{'LeanK ms':>10}{'head-major':>12}{'LeanK MiB':>11}" if leank_dk else ""))
     for ctx in contexts:
         bd = gqa_binding(gqa, qkv, kv, outs, ctx)
         n = max(5, calls // 10)
@@ -238,8 +376,65 @@ def attention_ceiling(contexts, threads: int, calls: int, repeat: int, rec, nlay
         rec(case, "kv_read_floor_ms", t_read * 1e3)
         rec(case, "gqa_gb_s", nbytes / t_gqa / 1e9)
         rec(case, "one_gemm_max_abs_err", err)
-        print(f"{'ctx ' + str(ctx):<26}{nbytes / 2 ** 20:>8.1f}{t_gqa * 1e3:>9.2f}{t_blk * 1e3:>11.2f}"
-              f"{t_read * 1e3:>15.2f}{nbytes / t_gqa / 1e9:>10.1f}")
+        line = (f"{'ctx ' + str(ctx):<26}{nbytes / 2 ** 20:>8.1f}{t_gqa * 1e3:>9.2f}{t_blk * 1e3:>11.2f}"
+                f"{t_read * 1e3:>15.2f}{nbytes / t_gqa / 1e9:>10.1f}")
+        if leank_dk and ctx > leank_full:
+            t_lk, lk_bytes, lk_err = _leank_time(lk, lk_one, q0, tm, kmid, keep, ctx, leank_full, n, repeat)
+            rec(case, "leank_ms", t_lk * 1e3)
+            rec(case, "leank_kv_mib", lk_bytes / 2 ** 20)
+            rec(case, "leank_vs_gqa", t_gqa / t_lk)
+            rec(case, "leank_max_abs_err", lk_err)
+            t_hm, hm_err = _leank_heads_time(lkh, lkh_one, q0, tm, keep, ctx, leank_full, n, repeat)
+            rec(case, "leank_head_major_ms", t_hm * 1e3)
+            rec(case, "leank_head_major_vs_gqa", t_gqa / t_hm)
+            rec(case, "leank_head_major_max_abs_err", hm_err)
+            line += f"{t_lk * 1e3:>10.2f}{t_hm * 1e3:>12.2f}{lk_bytes / 2 ** 20:>11.1f}"
+        print(line)
+
+
+def _leank_heads_time(lkh, lkh_one, q0, tm, keep, ctx: int, full: int, n: int, repeat: int):
+    """``(seconds, max |error| of one block vs numpy)`` of :func:`leank_heads_session` at
+    ``ctx`` tokens (buffers exactly ``ctx`` long: a chunk-grown buffer's best case)."""
+    nlayers = (len(tm)) // 2
+    feed = {"q0": q0, "mask": np.zeros(ctx, np.float32)}
+    for i in range(nlayers):
+        feed.update(leank_heads_inputs(tm[2 * i][:ctx], tm[2 * i + 1][:ctx], keep, full, i))
+    bd = lkh.io_binding()
+    for k, v in feed.items():
+        bd.bind_cpu_input(k, v)
+    bd.bind_output(f"q{nlayers}", "cpu")
+    lkh.run_with_iobinding(bd)
+    one = {k: v for k, v in feed.items() if k in ("q0", "mask") or k[-1] == "0" and not k[-2].isdigit()}
+    got = lkh_one.run(None, one)[0].reshape(-1)
+    err = float(np.abs(got - _leank_reference(q0.reshape(-1), tm[0][:ctx], tm[1][:ctx], keep, full)).max())
+    if err > 1e-4:
+        raise RuntimeError(f"the head-major LeanK attention differs from the reference by {err:.2e} at {ctx} tokens")
+    return _best_median(lambda: lkh.run_with_iobinding(bd), n, repeat), err
+
+
+def _leank_time(lk, lk_one, q0, tm, kmid, keep, ctx: int, full: int, n: int, repeat: int):
+    """``(seconds, K + V bytes read, max |error| of one block vs numpy)`` of
+    :func:`leank_session` at ``ctx`` tokens, every buffer a zero-copy prefix."""
+    nlayers = len(kmid)
+    bind = lambda a: ort.OrtValue.ortvalue_from_numpy(a)  # noqa: E731
+    bd = lk.io_binding()
+    bd.bind_cpu_input("q0", q0)
+    for i in range(nlayers):
+        bd.bind_ortvalue_input(f"Kf{i}", bind(tm[2 * i][:full]))
+        bd.bind_ortvalue_input(f"Km{i}", bind(kmid[i][:ctx - full]))
+        bd.bind_ortvalue_input(f"V{i}", bind(tm[2 * i + 1][:ctx]))
+        bd.bind_cpu_input(f"keep{i}", keep)
+    bd.bind_output(f"q{nlayers}", "cpu")
+    lk.run_with_iobinding(bd)
+    got = lk_one.run(None, {"q0": q0, "Kf0": tm[0][:full], "Km0": kmid[0][:ctx - full],
+                            "V0": tm[1][:ctx], "keep0": keep})[0].reshape(-1)
+    err = float(np.abs(got - _leank_reference(q0.reshape(-1), tm[0][:ctx], tm[1][:ctx], keep, full)).max())
+    if err > 1e-4:
+        raise RuntimeError(f"the LeanK attention differs from the reference by {err:.2e} at {ctx} tokens")
+    t = _best_median(lambda: lk.run_with_iobinding(bd), n, repeat)
+    width = tm[0].shape[1]
+    nbytes = nlayers * 4 * (full * width + (ctx - full) * len(keep) + ctx * width)
+    return t, nbytes, err
 
 
 def main(argv=None) -> int:
@@ -251,6 +446,9 @@ def main(argv=None) -> int:
                     help="only the long-context attention figures (module docstring)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096],
                     help="cached tokens for --attention")
+    ap.add_argument("--leank-keep", type=float, default=None,
+                    help="with --attention: also LeanK at speed keeping this share of key channels")
+    ap.add_argument("--leank-full", type=int, default=512, help="LeanK's sink + window tokens")
     a = ap.parse_args(argv)
     repeat = a.repeat or (2 if a.quick else 5)
     calls = 30 if a.quick else 100
@@ -264,7 +462,9 @@ def main(argv=None) -> int:
     if a.attention:
         for t in a.threads:
             print(f"\n{t} thread(s)")
-            attention_ceiling(a.contexts, t, calls, repeat, rec)
+            attention_ceiling(a.contexts, t, calls, repeat, rec,
+                              leank_dk=round(a.leank_keep * 64) if a.leank_keep else None,
+                              leank_full=a.leank_full)
         if a.json:
             benchlib.write_records(a.json, records)
         return 0

@@ -50,3 +50,62 @@ def test_one_gemm_attention_is_grouped_query_attention(benchlib):
                             "total": np.array(T, np.int32), "pk0": pk, "pv0": pv})[0].reshape(-1)
     ref_gqa = kc._attention_reference(rot(q, T - 1).astype(np.float32), Kr, V)
     assert np.abs(out - ref_gqa).max() < 1e-4
+
+
+def test_leank_at_speed_attention_is_leank(benchlib):
+    """The LeanK candidate: full-width scores for the sink + window rows, kept channels only
+    for the middle; with every channel kept it is plain grouped-query attention."""
+    kc = load_bench("kernel_ceiling")
+    H, KVH, D, T, F, dk = 9, 3, 64, 41, 16, 19
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal(H * D).astype(np.float32)
+    K = rng.standard_normal((T, KVH * D)).astype(np.float32)
+    V = rng.standard_normal((T, KVH * D)).astype(np.float32)
+    keep = kc.leank_keep(dk)
+    assert keep.shape == (KVH * dk,) and len(set(keep.tolist())) == KVH * dk
+    assert all(k * D <= c < (k + 1) * D for k in range(KVH) for c in keep[k * dk:(k + 1) * dk])
+    sess = kc.leank_session(1, 1, dk)
+
+    def run(K, V, keep=keep, sess=sess):
+        return sess.run(None, {"q0": q[None, None], "Kf0": K[:F], "Km0": np.ascontiguousarray(K[F:, keep]),
+                               "V0": V, "keep0": keep})[0].reshape(-1)
+
+    got = run(K, V)
+    assert np.abs(got - kc._leank_reference(q, K, V, keep, F)).max() < 1e-4
+    assert np.abs(got - kc._attention_reference(q, K, V)).max() > 1e-3    # pruning changes it
+    # a dropped channel of a middle key is never read; the same channel of a window key is
+    dropped = next(c for c in range(D) if c not in keep)
+    K_mid, K_full = K.copy(), K.copy()
+    K_mid[F:, dropped] += 5.0
+    K_full[:F, dropped] += 5.0
+    assert np.array_equal(run(K_mid, V), got)
+    assert not np.allclose(run(K_full, V), got, atol=1e-3)
+    # every channel kept: grouped-query attention itself
+    everything = kc.leank_keep(D)
+    full_sess = kc.leank_session(1, 1, D)
+    dense = run(K, V, keep=everything, sess=full_sess)
+    assert np.abs(dense - kc._attention_reference(q, K, V)).max() < 1e-4
+
+
+def test_leank_head_major_form_is_the_same_attention(benchlib):
+    """The head-major LeanK candidate computes what the time-major one does; masked columns
+    (a buffer's unused capacity) change nothing."""
+    kc = load_bench("kernel_ceiling")
+    H, D, T, F, dk = 9, 64, 41, 16, 19
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal(H * D).astype(np.float32)
+    K = rng.standard_normal((T, 3 * D)).astype(np.float32)
+    V = rng.standard_normal((T, 3 * D)).astype(np.float32)
+    keep = kc.leank_keep(dk, seed=5)
+    sess = kc.leank_heads_session(1, 1, dk)
+    feed = {"q0": q[None, None], "mask": np.zeros(T, np.float32), **kc.leank_heads_inputs(K, V, keep, F)}
+    got = sess.run(None, feed)[0].reshape(-1)
+    assert np.abs(got - kc._leank_reference(q, K, V, keep, F)).max() < 1e-4
+    # 7 columns of spare capacity, filled with noise and masked out
+    pad = 7
+    Kp = np.concatenate([K, rng.standard_normal((pad, 3 * D)).astype(np.float32) * 9])
+    Vp = np.concatenate([V, rng.standard_normal((pad, 3 * D)).astype(np.float32) * 9])
+    mask = np.zeros(T + pad, np.float32)
+    mask[T:] = -1e9
+    padded = sess.run(None, {"q0": q[None, None], "mask": mask, **kc.leank_heads_inputs(Kp, Vp, keep, F)})[0]
+    assert np.abs(padded.reshape(-1) - got).max() < 1e-5
