@@ -62,6 +62,16 @@ def _read_value(f: BinaryIO, vtype: int):
     return None
 
 
+def _read_preamble(f: BinaryIO) -> tuple[int, int]:
+    """``(tensor count, key/value count)`` after checking the magic and the version."""
+    if f.read(4) != b"GGUF":
+        raise GGUFHeaderError("bad magic (not a GGUF file)")
+    version = _read(f, "<I")
+    if version not in (2, 3):
+        raise GGUFHeaderError(f"GGUF version {version} (this reader handles 2 and 3)")
+    return _read(f, "<Q"), _read(f, "<Q")
+
+
 def read_gguf_metadata(path: str | Path, keys: Iterable[str]) -> dict:
     """The scalar and string metadata ``keys`` of a GGUF file (those present).
 
@@ -73,13 +83,8 @@ def read_gguf_metadata(path: str | Path, keys: Iterable[str]) -> dict:
     """
     wanted, found = set(keys), {}
     with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise GGUFHeaderError("bad magic (not a GGUF file)")
-        version = _read(f, "<I")
-        if version not in (2, 3):
-            raise GGUFHeaderError(f"GGUF version {version} (this reader handles 2 and 3)")
-        _read(f, "<Q")  # tensor count
-        for _ in range(_read(f, "<Q")):
+        _, n_kv = _read_preamble(f)
+        for _ in range(n_kv):
             if not wanted - found.keys():
                 break
             key = _read_string(f)
@@ -89,4 +94,30 @@ def read_gguf_metadata(path: str | Path, keys: Iterable[str]) -> dict:
     return found
 
 
-__all__ = ["GGUFHeaderError", "read_gguf_metadata"]
+def read_gguf_parameter_count(path: str | Path) -> int:
+    """Elements of every tensor a GGUF file holds (its parameter count), from the tensor
+    infos after the key/value section: per tensor a string name, a ``uint32`` dimension
+    count, that many ``uint64`` dimensions, a ``uint32`` type and a ``uint64`` offset.
+
+    Raises:
+        GGUFHeaderError: not a GGUF v2/v3 file, or a header cut short.
+        OSError: the file cannot be read.
+    """
+    with open(path, "rb") as f:
+        n_tensors, n_kv = _read_preamble(f)
+        for _ in range(n_kv):
+            _read_string(f)
+            _read_value(f, _read(f, "<I"))
+        total = 0
+        for _ in range(n_tensors):
+            _read_string(f)
+            n = 1
+            for _ in range(_read(f, "<I")):
+                n *= _read(f, "<Q")
+            _read(f, "<I")
+            _read(f, "<Q")
+            total += n
+    return total
+
+
+__all__ = ["GGUFHeaderError", "read_gguf_metadata", "read_gguf_parameter_count"]

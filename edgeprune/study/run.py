@@ -104,19 +104,40 @@ def _ray_cell(config: dict, cache_root: str, pc: dict) -> dict:
         return _failed(planned, exc, cache).to_dict()
 
 
+#: Float copies of the weights a cell holds at its peak (dense, compressed, the work of
+#: compressing), and the room beside them for activations and scoring, in bytes.
+CELL_WEIGHT_COPIES, CELL_OVERHEAD = 3, 2 << 30
+
+
 def _memory_bytes(model: str) -> int:
-    """Memory a cell declares: three float copies of the weights (dense, compressed,
-    the compression's work) plus 2 GiB, from the model's file size (8 GiB if unknown)."""
+    """Memory a cell declares to Ray: :data:`CELL_WEIGHT_COPIES` float32 copies of the
+    weights plus :data:`CELL_OVERHEAD`. A GGUF's parameter count is read from its tensor
+    infos (its file size says little: Q4_K_M blocks, an 8-bit head); a folder's weights are
+    its files' size, doubled when its config says 16-bit. 8 GiB for a model not on disk."""
+    import json
+
     from ..models import local_source
+    from ..models.gguf_header import GGUFHeaderError, read_gguf_parameter_count
 
     src = local_source(model)
-    if src is None:
+    if src is None or not Path(src).exists():
         return 8 << 30
-    size = sum(p.stat().st_size for p in (Path(src).rglob("*") if Path(src).is_dir() else [Path(src)])
-               if p.is_file())
-    # a GGUF alias is 4-bit: its float weights take ~8x its file
-    factor = 8 if str(src).endswith(".gguf") else 1
-    return 3 * size * factor + (2 << 30)
+    src = Path(src)
+    if src.is_file():
+        try:
+            weights = 4 * read_gguf_parameter_count(src)
+        except (GGUFHeaderError, OSError):
+            weights = src.stat().st_size
+    else:
+        weights = sum(p.stat().st_size for p in src.rglob("*") if p.is_file()
+                      and p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+        try:
+            cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            cfg = {}
+        if str(cfg.get("torch_dtype") or cfg.get("dtype") or "") in ("bfloat16", "float16"):
+            weights *= 2
+    return CELL_WEIGHT_COPIES * weights + CELL_OVERHEAD
 
 
 def run_ray(config: StudyConfig, cache: Cache, address: str, *, progress: bool = True,

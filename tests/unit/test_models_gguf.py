@@ -12,7 +12,7 @@ import edgeprune.models.convert as convert
 from edgeprune.errors import ModelLoadError, UnsupportedArchitectureError
 from edgeprune.models import load_model
 from edgeprune.models.cache import entry_for_file, entry_problem
-from edgeprune.models.gguf_header import GGUFHeaderError, read_gguf_metadata
+from edgeprune.models.gguf_header import GGUFHeaderError, read_gguf_metadata, read_gguf_parameter_count
 
 
 def _no_conversion(monkeypatch):
@@ -29,12 +29,22 @@ def test_header_reader_walks_past_arrays(tiny_gguf):
                     "tokenizer.ggml.eos_token_id": 1}
 
 
+def test_parameter_count_walks_every_tensor_info(tiny_gguf):
+    """Embedding and head 257 x 32 each, 2 norms of 32 per layer and one final norm, and per
+    layer q/o 32 x 32, k/v 16 x 32 (2 KV heads of 8), gate/up/down 64 x 32."""
+    per_layer = 2 * 32 * 32 + 2 * 16 * 32 + 3 * 64 * 32 + 2 * 32
+    assert read_gguf_parameter_count(tiny_gguf()) == 2 * 257 * 32 + 32 + per_layer
+    assert read_gguf_parameter_count(tiny_gguf("three.gguf", layers=3)) == 2 * 257 * 32 + 32 + 3 * per_layer
+
+
 @pytest.mark.parametrize("cut", [3, 30, 200])
 def test_header_reader_refuses_a_cut_file(tiny_gguf, cut):
     path = tiny_gguf()
     path.write_bytes(path.read_bytes()[:cut])
     with pytest.raises(GGUFHeaderError):
         read_gguf_metadata(path, ["general.architecture", "tokenizer.ggml.eos_token_id"])
+    with pytest.raises(GGUFHeaderError):
+        read_gguf_parameter_count(path)
 
 
 def test_unsupported_gguf_refused_before_any_work(tiny_gguf, edgeprune_cache, monkeypatch):
