@@ -25,6 +25,13 @@ the kernels allow (README, "Where the 1-thread decode gap to llama.cpp is"):
   ``Softmax`` over time, and one ``Gemm`` (``transA``) with the values; and the floor: the
   same K and V bytes read once by numpy (a sum, one thread). Its output is checked against a
   numpy reference before it is timed.
+* ``--attention --leank-keep 0.3``: also LeanK's attention as it would run at speed (issue
+  25, item 2) at every context longer than ``--leank-full`` (sink + window, 512): no cache
+  concatenated, every buffer bound in place; three forms from standard operators, each
+  checked against a numpy LeanK reference: time-major with the block-diagonal query,
+  head-major (one batched ``MatMul`` per KV group), and head-major with the middle in int8
+  (``MatMulInteger``). ``keep`` channels per KV head are drawn at random: the time does not
+  depend on which.
 
 Each figure is the best of ``--repeat`` medians; the per-call Python overhead of
 ``session.run`` (measured on a tiny node) is subtracted from the hot figures. No peer
@@ -34,6 +41,8 @@ Usage::
 
     python bench/kernel_ceiling.py --quick --json bench/results/kernel_ceiling.json
     python bench/kernel_ceiling.py --attention --threads 1 2 --json bench/results/attention_ceiling.json
+    python bench/kernel_ceiling.py --attention --leank-keep 0.3 --contexts 1024 2048 4096 --threads 1 2 \\
+        --json bench/results/attention_ceiling_leank.json
 """
 
 from __future__ import annotations
@@ -297,6 +306,77 @@ def leank_heads_inputs(K: np.ndarray, V: np.ndarray, keep: np.ndarray, full: int
             f"V{i}": np.ascontiguousarray(V.reshape(T, KVH, D).transpose(1, 0, 2)), f"sel{i}": sel}
 
 
+def leank_int8_session(nlayers: int, threads: int, dk: int, heads=(9, 3, 64)):
+    """:func:`leank_heads_session` with the middle in int8 (docs/kv-cache.md, "LeanK at long
+    contexts", item 2): ``Kq{i} [kv, dk, Tm]`` and ``Vq{i} [kv, Tm, D]`` symmetric int8 with
+    per-channel scales (the key scales folded into ``sel{i}``, the value scales ``vs{i}
+    [kv, 1, D]``), read by ``MatMulInteger`` against the query's and the middle
+    probabilities' ``DynamicQuantizeLinear`` (uint8, one scale each); the sink + window part
+    stays float32 (``Kf{i} [kv, D, F]``, ``Vf{i} [kv, F, D]``). The only form built from
+    standard operators that reads int8 bytes without first writing a float copy; its
+    uint8 probabilities lose the small ones (the error is reported, the time is the point)."""
+    H, KVH, D = heads
+    G = H // KVH
+    inits = [numpy_helper.from_array(np.array([KVH, G, D], np.int64), "s_q"),
+             numpy_helper.from_array(np.array([1, 1, H * D], np.int64), "s_out"),
+             numpy_helper.from_array(np.array(1.0 / math.sqrt(D), np.float32), "scale")]
+    ins = [helper.make_tensor_value_info("q0", TensorProto.FLOAT, [1, 1, H * D]),
+           helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["T"])]
+    nodes = []
+    for i in range(nlayers):
+        ins += [helper.make_tensor_value_info(f"Kf{i}", TensorProto.FLOAT, [KVH, D, "F"]),
+                helper.make_tensor_value_info(f"Vf{i}", TensorProto.FLOAT, [KVH, "F", D]),
+                helper.make_tensor_value_info(f"Kq{i}", TensorProto.INT8, [KVH, dk, "Tm"]),
+                helper.make_tensor_value_info(f"Vq{i}", TensorProto.INT8, [KVH, "Tm", D]),
+                helper.make_tensor_value_info(f"sel{i}", TensorProto.FLOAT, [KVH, D, dk]),
+                helper.make_tensor_value_info(f"vs{i}", TensorProto.FLOAT, [KVH, 1, D])]
+        p = f"l{i}_"
+        nodes += [helper.make_node("Reshape", [f"q{i}", "s_q"], [p + "q0"]),
+                  helper.make_node("Mul", [p + "q0", "scale"], [p + "q"]),
+                  helper.make_node("MatMul", [p + "q", f"sel{i}"], [p + "qk"]),
+                  helper.make_node("MatMul", [p + "q", f"Kf{i}"], [p + "sf"]),
+                  helper.make_node("DynamicQuantizeLinear", [p + "qk"], [p + "qu", p + "qs", p + "qz"]),
+                  helper.make_node("MatMulInteger", [p + "qu", f"Kq{i}", p + "qz"], [p + "smi"]),
+                  helper.make_node("Cast", [p + "smi"], [p + "smf"], to=TensorProto.FLOAT),
+                  helper.make_node("Mul", [p + "smf", p + "qs"], [p + "sm"]),
+                  helper.make_node("Concat", [p + "sf", p + "sm"], [p + "s0"], axis=2),
+                  helper.make_node("Add", [p + "s0", "mask"], [p + "s"]),
+                  helper.make_node("Softmax", [p + "s"], [p + "p"], axis=2),
+                  helper.make_node("Shape", [f"Kf{i}"], [p + "nf"], start=2, end=3),
+                  helper.make_node("Shape", [f"Kq{i}"], [p + "nm"], start=2, end=3),
+                  helper.make_node("Concat", [p + "nf", p + "nm"], [p + "split"], axis=0),
+                  helper.make_node("Split", [p + "p", p + "split"], [p + "pf", p + "pm"], axis=2),
+                  helper.make_node("MatMul", [p + "pf", f"Vf{i}"], [p + "of"]),
+                  helper.make_node("DynamicQuantizeLinear", [p + "pm"], [p + "pu", p + "ps", p + "pz"]),
+                  helper.make_node("MatMulInteger", [p + "pu", f"Vq{i}", p + "pz"], [p + "omi"]),
+                  helper.make_node("Cast", [p + "omi"], [p + "omf"], to=TensorProto.FLOAT),
+                  helper.make_node("Mul", [p + "omf", p + "ps"], [p + "om1"]),
+                  helper.make_node("Mul", [p + "om1", f"vs{i}"], [p + "om"]),
+                  helper.make_node("Add", [p + "of", p + "om"], [p + "o"]),
+                  helper.make_node("Reshape", [p + "o", "s_out"], [f"q{i + 1}"])]
+    outs = [helper.make_tensor_value_info(f"q{nlayers}", TensorProto.FLOAT, [1, 1, H * D])]
+    return _session(nodes, ins, outs, inits, threads)
+
+
+def leank_int8_inputs(K: np.ndarray, V: np.ndarray, keep: np.ndarray, full: int, i: int = 0,
+                      heads=(9, 3, 64)) -> dict:
+    """Layer ``i``'s :func:`leank_int8_session` inputs from a time-major cache ``K, V
+    [T, kv*D]`` (the ``full`` rows first): the middle quantized symmetric int8 per channel
+    (per kept key channel, per value channel of each KV head)."""
+    H, KVH, D = heads
+    f = leank_heads_inputs(K, V, keep, full, i, heads)
+    km, vh = f.pop(f"Kt{i}"), f.pop(f"V{i}")               # [kv, dk, Tm], [kv, T, D]
+    ks = np.maximum(np.abs(km).max(axis=2, keepdims=True), 1e-8) / 127     # [kv, dk, 1]
+    vm = vh[:, full:]
+    vs = np.maximum(np.abs(vm).max(axis=1, keepdims=True), 1e-8) / 127     # [kv, 1, D]
+    f[f"sel{i}"] = f[f"sel{i}"] * ks.transpose(0, 2, 1)                    # scales folded into q
+    f[f"Kq{i}"] = np.clip(np.rint(km / ks), -127, 127).astype(np.int8)
+    f[f"Vq{i}"] = np.clip(np.rint(vm / vs), -127, 127).astype(np.int8)
+    f[f"Vf{i}"] = np.ascontiguousarray(vh[:, :full])
+    f[f"vs{i}"] = vs.astype(np.float32)
+    return f
+
+
 def _leank_reference(q: np.ndarray, K: np.ndarray, V: np.ndarray, keep: np.ndarray, full: int,
                      heads=(9, 3, 64)) -> np.ndarray:
     """LeanK's attention in numpy over an unpruned cache ``K, V [T, kv*D]`` (tokens in the
@@ -346,10 +426,12 @@ def attention_ceiling(contexts, threads: int, calls: int, repeat: int, rec, nlay
         lk_one = leank_session(1, threads, leank_dk)
         lkh = leank_heads_session(nlayers, threads, leank_dk)
         lkh_one = leank_heads_session(1, threads, leank_dk)
+        lk8 = leank_int8_session(nlayers, threads, leank_dk)
+        lk8_one = leank_int8_session(1, threads, leank_dk)
         keep = leank_keep(leank_dk)
         kmid = [np.ascontiguousarray(tm[2 * i][leank_full:, keep]) for i in range(nlayers)]
     print(f"{'attention, ' + str(nlayers) + ' layers':<26}{'KV MiB':>8}{'GQA ms':>9}{'1-GEMM ms':>11}"
-          f"{'read floor ms':>15}{'GQA GB/s':>10}" + (f"{'LeanK ms':>10}{'head-major':>12}{'LeanK MiB':>11}" if leank_dk else ""))
+          f"{'read floor ms':>15}{'GQA GB/s':>10}" + (f"{'LeanK ms':>10}{'head-major':>12}{'int8 mid':>10}{'LeanK MiB':>11}{'int8 MiB':>10}" if leank_dk else ""))
     for ctx in contexts:
         bd = gqa_binding(gqa, qkv, kv, outs, ctx)
         n = max(5, calls // 10)
@@ -388,17 +470,27 @@ def attention_ceiling(contexts, threads: int, calls: int, repeat: int, rec, nlay
             rec(case, "leank_head_major_ms", t_hm * 1e3)
             rec(case, "leank_head_major_vs_gqa", t_gqa / t_hm)
             rec(case, "leank_head_major_max_abs_err", hm_err)
-            line += f"{t_lk * 1e3:>10.2f}{t_hm * 1e3:>12.2f}{lk_bytes / 2 ** 20:>11.1f}"
+            t_i8, i8_err = _leank_heads_time(lk8, lk8_one, q0, tm, keep, ctx, leank_full, n, repeat,
+                                             inputs=leank_int8_inputs, tol=5e-3)
+            i8_bytes = nlayers * (2 * 4 * leank_full * KVH * D + (ctx - leank_full) * (len(keep) + KVH * D))
+            rec(case, "leank_int8_ms", t_i8 * 1e3)
+            rec(case, "leank_int8_vs_gqa", t_gqa / t_i8)
+            rec(case, "leank_int8_kv_mib", i8_bytes / 2 ** 20)
+            rec(case, "leank_int8_max_abs_err", i8_err)
+            line += (f"{t_lk * 1e3:>10.2f}{t_hm * 1e3:>12.2f}{t_i8 * 1e3:>10.2f}{lk_bytes / 2 ** 20:>11.1f}"
+                     f"{i8_bytes / 2 ** 20:>10.1f}")
         print(line)
 
 
-def _leank_heads_time(lkh, lkh_one, q0, tm, keep, ctx: int, full: int, n: int, repeat: int):
-    """``(seconds, max |error| of one block vs numpy)`` of :func:`leank_heads_session` at
-    ``ctx`` tokens (buffers exactly ``ctx`` long: a chunk-grown buffer's best case)."""
+def _leank_heads_time(lkh, lkh_one, q0, tm, keep, ctx: int, full: int, n: int, repeat: int,
+                      inputs=None, tol: float = 1e-4):
+    """``(seconds, max |error| of one block vs numpy)`` of :func:`leank_heads_session` (or,
+    with ``inputs=leank_int8_inputs``, :func:`leank_int8_session`) at ``ctx`` tokens
+    (buffers exactly ``ctx`` long: a chunk-grown buffer's best case)."""
     nlayers = (len(tm)) // 2
     feed = {"q0": q0, "mask": np.zeros(ctx, np.float32)}
     for i in range(nlayers):
-        feed.update(leank_heads_inputs(tm[2 * i][:ctx], tm[2 * i + 1][:ctx], keep, full, i))
+        feed.update((inputs or leank_heads_inputs)(tm[2 * i][:ctx], tm[2 * i + 1][:ctx], keep, full, i))
     bd = lkh.io_binding()
     for k, v in feed.items():
         bd.bind_cpu_input(k, v)
@@ -407,7 +499,7 @@ def _leank_heads_time(lkh, lkh_one, q0, tm, keep, ctx: int, full: int, n: int, r
     one = {k: v for k, v in feed.items() if k in ("q0", "mask") or k[-1] == "0" and not k[-2].isdigit()}
     got = lkh_one.run(None, one)[0].reshape(-1)
     err = float(np.abs(got - _leank_reference(q0.reshape(-1), tm[0][:ctx], tm[1][:ctx], keep, full)).max())
-    if err > 1e-4:
+    if err > tol:
         raise RuntimeError(f"the head-major LeanK attention differs from the reference by {err:.2e} at {ctx} tokens")
     return _best_median(lambda: lkh.run_with_iobinding(bd), n, repeat), err
 

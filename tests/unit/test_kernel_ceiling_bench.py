@@ -109,3 +109,29 @@ def test_leank_head_major_form_is_the_same_attention(benchlib):
     mask[T:] = -1e9
     padded = sess.run(None, {"q0": q[None, None], "mask": mask, **kc.leank_heads_inputs(Kp, Vp, keep, F)})[0]
     assert np.abs(padded.reshape(-1) - got).max() < 1e-5
+
+
+def test_leank_int8_middle_reads_int8_and_stays_near_leank(benchlib):
+    """The int8-middle candidate: its middle buffers are int8, its output within the stated
+    5e-3 of float LeanK (quantization, not a different function: a dropped middle channel is
+    still never read)."""
+    kc = load_bench("kernel_ceiling")
+    H, D, T, F, dk = 9, 64, 300, 128, 19
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal(H * D).astype(np.float32)
+    K = rng.standard_normal((T, 3 * D)).astype(np.float32)
+    V = rng.standard_normal((T, 3 * D)).astype(np.float32)
+    keep = kc.leank_keep(dk)
+    feed = kc.leank_int8_inputs(K, V, keep, F)
+    assert feed["Kq0"].dtype == np.int8 and feed["Kq0"].shape == (3, dk, T - F)
+    assert feed["Vq0"].dtype == np.int8 and feed["Vq0"].shape == (3, T - F, D)
+    sess = kc.leank_int8_session(1, 1, dk)
+    got = sess.run(None, {"q0": q[None, None], "mask": np.zeros(T, np.float32), **feed})[0].reshape(-1)
+    err = np.abs(got - kc._leank_reference(q, K, V, keep, F)).max()
+    assert 1e-6 < err < 5e-3
+    dropped = next(c for c in range(D) if c not in keep)
+    K2 = K.copy()
+    K2[F:, dropped] += 5.0
+    moved = sess.run(None, {"q0": q[None, None], "mask": np.zeros(T, np.float32),
+                            **kc.leank_int8_inputs(K2, V, keep, F)})[0].reshape(-1)
+    assert np.array_equal(moved, got)
