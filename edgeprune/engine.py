@@ -37,7 +37,7 @@ import re
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -315,7 +315,8 @@ def needs_calibration(recipe) -> bool:
 def compress(model: nn.Module, recipe, calib_ids: Optional[torch.Tensor] = None, *,
              attention_mask: Optional[torch.Tensor] = None, device: str | torch.device = "cpu",
              progress: bool = True, batch_size: int = 8, measure_errors: Optional[bool] = None,
-             error_tokens: int = 2048, check_finite: bool = True) -> CompressionResult:
+             error_tokens: int = 2048, check_finite: bool = True,
+             on_block: Optional[Callable[[int, int], None]] = None) -> CompressionResult:
     """Compress ``model`` in place with a recipe, block by block (sequential mode).
 
     Args:
@@ -343,6 +344,8 @@ def compress(model: nn.Module, recipe, calib_ids: Optional[torch.Tensor] = None,
             stop being finite on a calibration window that was finite before
             (:mod:`edgeprune.finite`; costs one more block forward). A data-free recipe
             run without ``measure_errors`` makes no forward pass, so it is not checked.
+        on_block: called with ``(blocks done, blocks)`` after each block (a caller's own
+            progress display, e.g. the study's grid bar).
 
     Returns:
         :class:`CompressionResult`.
@@ -441,6 +444,8 @@ def compress(model: nn.Module, recipe, calib_ids: Optional[torch.Tensor] = None,
             block.to(blk_dev)
             if bar is not None:
                 bar.update(1)
+            if on_block is not None:
+                on_block(bi + 1, len(blocks))
         if watch is not None:
             watch.check_logits(model, prefix, batches)
     finally:

@@ -77,12 +77,16 @@ class StudyRunner:
         config: the study.
         cache: its cache.
         tick: called with ``(cell label, unit name)`` after each unit (progress bars).
+        status: called with ``(cell label, text)`` inside a long unit, e.g. ``"compress
+            7/24"`` after each block of a compression (the bar's text, no step).
     """
 
-    def __init__(self, config: StudyConfig, cache: Cache, tick: Optional[Callable[[str, str], None]] = None):
+    def __init__(self, config: StudyConfig, cache: Cache, tick: Optional[Callable[[str, str], None]] = None,
+                 status: Optional[Callable[[str, str], None]] = None):
         self.config = config
         self.cache = cache
         self.tick = tick or (lambda label, unit: None)
+        self.status = status or (lambda label, text: None)
         self._models: dict[str, _ModelState] = {}
         self._languages = None
         self._task_digest: Optional[str] = None
@@ -241,7 +245,9 @@ class StudyRunner:
                                     model=st.dense)
             st.calib, st.calib_info = cal.input_ids, cal.info
         torch.manual_seed(self.config.seed)
-        res = compress(model, recipe, st.calib, device=self.config.device, progress=False)
+        label = pc.spec.label
+        res = compress(model, recipe, st.calib, device=self.config.device, progress=False,
+                       on_block=lambda done, n: self.status(label, f"compress {done}/{n}"))
         summ = res.summary()
         out.record = dict(spec=pc.spec.to_dict(), seconds=summ.get("seconds"), calibration=st.calib_info,
                           avg_bits_per_weight=summ.get("avg_bits_per_weight"), fallbacks=list(res.fallbacks),

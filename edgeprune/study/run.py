@@ -43,6 +43,10 @@ class _Progress:
         self.bar.set_postfix_str(f"{label}: {unit}", refresh=False)
         self.bar.update(1)
 
+    def status(self, label: str, text: str) -> None:
+        """The bar's text inside a long unit (no step)."""
+        self.bar.set_postfix_str(f"{label}: {text}", refresh=True)
+
     def skip(self, n: int) -> None:
         self.bar.update(n)
 
@@ -67,7 +71,8 @@ def run_local(config: StudyConfig, cache: Cache, *, progress: bool = True,
     """
     check_config(config)
     prog = None
-    runner = StudyRunner(config, cache, tick=lambda label, unit: prog.tick(label, unit))
+    runner = StudyRunner(config, cache, tick=lambda label, unit: prog.tick(label, unit),
+                         status=lambda label, text: prog.status(label, text))
     plan = runner.plan()
     steps = [_steps(pc, runner) for pc in plan]
     prog = _Progress(sum(steps), progress)

@@ -57,6 +57,18 @@ def test_grid_runs_caches_and_reruns_one_changed_cell(study_inputs, tmp_path):
     assert all(units == ["task:piqa"] for _, _, units in t4.computed()) and len(t4.computed()) == 3
 
 
+def test_grid_bar_names_each_compressed_block(study_inputs, tmp_path, monkeypatch):
+    """A compression is one step of the grid's bar; inside it the bar's text counts the
+    blocks done (a 24-block Qwen compression takes 20-40 minutes at 1 thread)."""
+    from edgeprune.study import run as run_mod
+
+    seen = []
+    monkeypatch.setattr(run_mod._Progress, "status", lambda self, label, text: seen.append((label, text)))
+    cfg = study_config(study_inputs, "wanda:0.5", tmp_path / "cache")
+    run_mod.run_study(cfg, tmp_path / "out", progress=True, log=lambda m: None, plots=False)
+    assert seen == [("Wanda-50%", "compress 1/2"), ("Wanda-50%", "compress 2/2")]   # the 2-layer tiny llama
+
+
 def test_failing_cell_is_recorded_while_the_others_run(study_inputs, tmp_path):
     from edgeprune.study import run_study
 
