@@ -112,6 +112,8 @@ def _ray_cell(config: dict, cache_root: str, pc: dict) -> dict:
 #: Float copies of the weights a cell holds at its peak (dense, compressed, the work of
 #: compressing), and the room beside them for activations and scoring, in bytes.
 CELL_WEIGHT_COPIES, CELL_OVERHEAD = 3, 2 << 30
+#: Ray's object store for ``--ray local``: the cells' arguments and results are small dicts.
+LOCAL_OBJECT_STORE = 512 << 20
 
 
 def _memory_bytes(model: str) -> int:
@@ -172,7 +174,9 @@ def run_ray(config: StudyConfig, cache: Cache, address: str, *, progress: bool =
                                      "OMP_NUM_THREADS", "MKL_NUM_THREADS", "HF_HOME")}}
         kw = dict(include_dashboard=False, log_to_driver=False, runtime_env=env)
         if address == "local":
-            ray.init(**kw)
+            # tasks pass small dicts: Ray's default store (30 % of the free memory) would be
+            # taken from the `memory` the cells declare
+            ray.init(object_store_memory=LOCAL_OBJECT_STORE, **kw)
         else:
             ray.init(address=address, **kw)
     try:
