@@ -255,6 +255,27 @@ def leank_session(nlayers: int, threads: int, dk: int, heads=(9, 3, 64)):
     return _session(nodes, ins, outs, inits, threads)
 
 
+def _heads_graph_io(heads):
+    """Initializers and the first inputs (``q0 [1, 1, H*D]``, ``mask [T]``) of the head-major
+    LeanK graphs."""
+    H, KVH, D = heads
+    inits = [numpy_helper.from_array(np.array([KVH, H // KVH, D], np.int64), "s_q"),
+             numpy_helper.from_array(np.array([1, 1, H * D], np.int64), "s_out"),
+             numpy_helper.from_array(np.array(1.0 / math.sqrt(D), np.float32), "scale")]
+    ins = [helper.make_tensor_value_info("q0", TensorProto.FLOAT, [1, 1, H * D]),
+           helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["T"])]
+    return inits, ins
+
+
+def _heads_query(i: int, p: str) -> list:
+    """Layer ``i``'s scaled query ``{p}q [kv, G, D]``, its kept channels ``{p}qk [kv, G, dk]``
+    and the sink + window scores ``{p}sf [kv, G, F]``."""
+    return [helper.make_node("Reshape", [f"q{i}", "s_q"], [p + "q0"]),
+            helper.make_node("Mul", [p + "q0", "scale"], [p + "q"]),
+            helper.make_node("MatMul", [p + "q", f"sel{i}"], [p + "qk"]),
+            helper.make_node("MatMul", [p + "q", f"Kf{i}"], [p + "sf"])]
+
+
 def leank_heads_session(nlayers: int, threads: int, dk: int, heads=(9, 3, 64)):
     """The head-major form of :func:`leank_session`: per layer the sink + window keys
     ``Kf{i} [kv, D, F]`` and the middle keys ``Kt{i} [kv, dk, Tm]`` stored transposed (a new
@@ -263,12 +284,7 @@ def leank_heads_session(nlayers: int, threads: int, dk: int, heads=(9, 3, 64)):
     each KV group's scores are one batched ``MatMul`` (no block-diagonal query, so no wasted
     multiply-adds); ``mask [F + Tm]`` is added before the ``Softmax``."""
     H, KVH, D = heads
-    G = H // KVH
-    inits = [numpy_helper.from_array(np.array([KVH, G, D], np.int64), "s_q"),
-             numpy_helper.from_array(np.array([1, 1, H * D], np.int64), "s_out"),
-             numpy_helper.from_array(np.array(1.0 / math.sqrt(D), np.float32), "scale")]
-    ins = [helper.make_tensor_value_info("q0", TensorProto.FLOAT, [1, 1, H * D]),
-           helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["T"])]
+    inits, ins = _heads_graph_io(heads)
     nodes = []
     for i in range(nlayers):
         ins += [helper.make_tensor_value_info(f"Kf{i}", TensorProto.FLOAT, [KVH, D, "F"]),
@@ -276,11 +292,8 @@ def leank_heads_session(nlayers: int, threads: int, dk: int, heads=(9, 3, 64)):
                 helper.make_tensor_value_info(f"V{i}", TensorProto.FLOAT, [KVH, "T", D]),
                 helper.make_tensor_value_info(f"sel{i}", TensorProto.FLOAT, [KVH, D, dk])]
         p = f"l{i}_"
-        nodes += [helper.make_node("Reshape", [f"q{i}", "s_q"], [p + "q0"]),
-                  helper.make_node("Mul", [p + "q0", "scale"], [p + "q"]),
-                  helper.make_node("MatMul", [p + "q", f"sel{i}"], [p + "qk"]),
-                  helper.make_node("MatMul", [p + "q", f"Kf{i}"], [p + "sf"]),
-                  helper.make_node("MatMul", [p + "qk", f"Kt{i}"], [p + "sm"]),
+        nodes += _heads_query(i, p)
+        nodes += [helper.make_node("MatMul", [p + "qk", f"Kt{i}"], [p + "sm"]),
                   helper.make_node("Concat", [p + "sf", p + "sm"], [p + "s0"], axis=2),
                   helper.make_node("Add", [p + "s0", "mask"], [p + "s"]),
                   helper.make_node("Softmax", [p + "s"], [p + "p"], axis=2),
@@ -316,12 +329,7 @@ def leank_int8_session(nlayers: int, threads: int, dk: int, heads=(9, 3, 64)):
     standard operators that reads int8 bytes without first writing a float copy; its
     uint8 probabilities lose the small ones (the error is reported, the time is the point)."""
     H, KVH, D = heads
-    G = H // KVH
-    inits = [numpy_helper.from_array(np.array([KVH, G, D], np.int64), "s_q"),
-             numpy_helper.from_array(np.array([1, 1, H * D], np.int64), "s_out"),
-             numpy_helper.from_array(np.array(1.0 / math.sqrt(D), np.float32), "scale")]
-    ins = [helper.make_tensor_value_info("q0", TensorProto.FLOAT, [1, 1, H * D]),
-           helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["T"])]
+    inits, ins = _heads_graph_io(heads)
     nodes = []
     for i in range(nlayers):
         ins += [helper.make_tensor_value_info(f"Kf{i}", TensorProto.FLOAT, [KVH, D, "F"]),
@@ -331,11 +339,8 @@ def leank_int8_session(nlayers: int, threads: int, dk: int, heads=(9, 3, 64)):
                 helper.make_tensor_value_info(f"sel{i}", TensorProto.FLOAT, [KVH, D, dk]),
                 helper.make_tensor_value_info(f"vs{i}", TensorProto.FLOAT, [KVH, 1, D])]
         p = f"l{i}_"
-        nodes += [helper.make_node("Reshape", [f"q{i}", "s_q"], [p + "q0"]),
-                  helper.make_node("Mul", [p + "q0", "scale"], [p + "q"]),
-                  helper.make_node("MatMul", [p + "q", f"sel{i}"], [p + "qk"]),
-                  helper.make_node("MatMul", [p + "q", f"Kf{i}"], [p + "sf"]),
-                  helper.make_node("DynamicQuantizeLinear", [p + "qk"], [p + "qu", p + "qs", p + "qz"]),
+        nodes += _heads_query(i, p)
+        nodes += [helper.make_node("DynamicQuantizeLinear", [p + "qk"], [p + "qu", p + "qs", p + "qz"]),
                   helper.make_node("MatMulInteger", [p + "qu", f"Kq{i}", p + "qz"], [p + "smi"]),
                   helper.make_node("Cast", [p + "smi"], [p + "smf"], to=TensorProto.FLOAT),
                   helper.make_node("Mul", [p + "smf", p + "qs"], [p + "sm"]),
