@@ -166,19 +166,19 @@ def test_scoring_model_casts_a_copy_and_refuses_bad_input():
 
 
 def test_ray_cell_memory_counts_parameters_not_file_bytes(tiny_gguf, tmp_path):
-    """A GGUF cell declares three float32 copies of its parameters (read from the tensor
-    infos) plus 2 GiB; a 16-bit folder's weights count twice their bytes; no model, 8 GiB."""
+    """A GGUF cell declares four float32 copies of its parameters (read from the tensor
+    infos) plus 1 GiB; a 16-bit folder's weights count twice their bytes; no model, 8 GiB."""
     from edgeprune.models.gguf_header import read_gguf_parameter_count
     from edgeprune.study.run import _memory_bytes
 
     path = tiny_gguf(layers=2)
-    assert _memory_bytes(str(path)) == 3 * 4 * read_gguf_parameter_count(path) + (2 << 30)
+    assert _memory_bytes(str(path)) == 4 * 4 * read_gguf_parameter_count(path) + (1 << 30)
     folder = tmp_path / "hf"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"\0" * 1000)
     (folder / "tokenizer.json").write_bytes(b"\0" * 5000)      # not weights
     (folder / "config.json").write_text('{"torch_dtype": "float32"}')
-    assert _memory_bytes(str(folder)) == 3 * 1000 + (2 << 30)
+    assert _memory_bytes(str(folder)) == 4 * 1000 + (1 << 30)
     (folder / "config.json").write_text('{"torch_dtype": "bfloat16"}')
-    assert _memory_bytes(str(folder)) == 3 * 2000 + (2 << 30)
+    assert _memory_bytes(str(folder)) == 4 * 2000 + (1 << 30)
     assert _memory_bytes(str(tmp_path / "missing")) == 8 << 30
