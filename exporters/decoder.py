@@ -284,8 +284,11 @@ class DecoderBuilder(AttentionMixin, MlpMixin, EmbeddingHeadMixin, LinearMixin):
         eps = self.spec.rms_norm_eps
         if residual is not None:
             if self.fused:
-                out, _, _, s = g.node("SkipSimplifiedLayerNormalization", [x, residual, w],
-                                      n_out=4, name=name, domain=MS_DOMAIN, epsilon=eps)
+                # the mean and inverse-deviation outputs left unnamed: the kernel then
+                # neither allocates nor writes them
+                out, _, _, s = g.node("SkipSimplifiedLayerNormalization", [x, residual, w], n_out=4,
+                                      outputs=[g.unique(name + "/out"), "", "", g.unique(name + "/sum")],
+                                      name=name, domain=MS_DOMAIN, epsilon=eps)
                 return out, s
             x = g.add(x, residual, name=name + "/residual")
         xf = g.cast(x, TensorProto.FLOAT) if self.fdtype != np.float32 else x

@@ -48,6 +48,15 @@ def test_fp32_prefill_and_decode_parity(arch, graph, tok, tmp_path, request):
     assert meta["architecture"] == model.config.model_type and meta["graph"] == graph
     assert meta["num_kv_heads"] == 2 and meta["num_heads"] == 4
     assert meta["variants"] == {} and "leank" not in meta and "countdown" not in meta
+    if graph == "fused":
+        # every residual add + RMSNorm is one fused node whose unused mean and
+        # inverse-deviation outputs are left unnamed (not computed per step)
+        import onnx
+
+        norms = [n for n in onnx.load(str(tmp_path / "m" / "model.onnx")).graph.node
+                 if n.op_type == "SkipSimplifiedLayerNormalization"]
+        assert len(norms) == 2 * model.config.num_hidden_layers
+        assert all(list(n.output)[1:3] == ["", ""] and n.output[0] and n.output[3] for n in norms)
     ids = rand_ids(40, seed=3)
     with runtime.load(tmp_path / "m") as s:
         np.testing.assert_allclose(s.logits(ids), _torch_logits(model, ids), atol=1e-4)
