@@ -103,6 +103,9 @@ DOC_TABLES = {
        for stem in ("compare_runtimes_gemma3-270m_gptq-g128-h4_avx512", "compare_runtimes_smollm2_ops_avx512")},
     "attention_ceiling": ("docs/kv-cache.md", ("kv_mib", "gqa_ms", "one_gemm_ms", "kv_read_floor_ms", "gqa_gb_s",
                                                "one_gemm_max_abs_err")),
+    "attention_ceiling_leank": ("docs/kv-cache.md", (
+        "gqa_ms", "leank_ms", "leank_head_major_ms", "leank_int8_ms", "leank_head_major_vs_gqa",
+        "leank_int8_vs_gqa", "kv_mib", "leank_kv_mib", "leank_int8_kv_mib", "kv_read_floor_ms")),
     "compare_llamacpp_longctx_avx512": ("docs/kv-cache.md", (
         "decode_tok_s", "decode_tok_s:theirs", "decode_ratio_paired", "decode_ratio_paired_min",
         "decode_ratio_paired_max", "peak_rss_mib", "peak_rss_mib:theirs", "kv_cache_mib", "kv_cache_mib:theirs")),
