@@ -112,7 +112,8 @@ def _ray_cell(config: dict, cache_root: str, pc: dict) -> dict:
 #: Float copies of the weights a cell holds at its peak (the dense model's mapped cache
 #: file, the dense and compressed models, the work of compressing), and the room beside
 #: them, in bytes. A Qwen2.5-Coder-0.5B cell (2.35 GiB of float32 weights) peaked at
-#: 10.3 GiB resident, 2.5 GiB of it the mapped file; it declares 10.4 GiB.
+#: 10.3 GiB resident, 2.5 GiB of it the mapped file (a process computing two cells in
+#: turn: 10.9 and 12.2 GiB); it declares 10.4 GiB.
 CELL_WEIGHT_COPIES, CELL_OVERHEAD = 4, 1 << 30
 #: Ray's object store for ``--ray local``: the cells' arguments and results are small dicts.
 LOCAL_OBJECT_STORE = 512 << 20
