@@ -414,8 +414,9 @@ def leank_keep(dk: int, heads=(9, 3, 64), seed: int = 3) -> np.ndarray:
 def attention_ceiling(contexts, threads: int, calls: int, repeat: int, rec, nlayers: int = 30,
                       leank_dk: int | None = None, leank_full: int = 512) -> None:
     """The ``--attention`` figures for one thread count (module docstring); with
-    ``leank_dk``, also :func:`leank_session` (``dk`` kept key channels per KV head,
-    ``leank_full`` sink + window tokens) at every context longer than ``leank_full``."""
+    ``leank_dk``, also the three LeanK forms (:func:`leank_session`,
+    :func:`leank_heads_session`, :func:`leank_int8_session`; ``dk`` kept key channels per KV
+    head, ``leank_full`` sink + window tokens) at every context longer than ``leank_full``."""
     rng = np.random.default_rng(2)
     L = max(contexts) + 1
     gqa, (H, KVH, D) = gqa_session(nlayers, L, threads)
@@ -492,21 +493,30 @@ def _leank_heads_time(lkh, lkh_one, q0, tm, keep, ctx: int, full: int, n: int, r
     """``(seconds, max |error| of one block vs numpy)`` of :func:`leank_heads_session` (or,
     with ``inputs=leank_int8_inputs``, :func:`leank_int8_session`) at ``ctx`` tokens
     (buffers exactly ``ctx`` long: a chunk-grown buffer's best case)."""
-    nlayers = (len(tm)) // 2
-    feed = {"q0": q0, "mask": np.zeros(ctx, np.float32)}
-    for i in range(nlayers):
-        feed.update((inputs or leank_heads_inputs)(tm[2 * i][:ctx], tm[2 * i + 1][:ctx], keep, full, i))
+    nlayers = len(tm) // 2
+    common = {"q0": q0, "mask": np.zeros(ctx, np.float32)}
+    layers = [(inputs or leank_heads_inputs)(tm[2 * i][:ctx], tm[2 * i + 1][:ctx], keep, full, i)
+              for i in range(nlayers)]
     bd = lkh.io_binding()
-    for k, v in feed.items():
+    for k, v in common.items():
         bd.bind_cpu_input(k, v)
+    for feed in layers:
+        for k, v in feed.items():
+            bd.bind_cpu_input(k, v)
     bd.bind_output(f"q{nlayers}", "cpu")
     lkh.run_with_iobinding(bd)
-    one = {k: v for k, v in feed.items() if k in ("q0", "mask") or k[-1] == "0" and not k[-2].isdigit()}
-    got = lkh_one.run(None, one)[0].reshape(-1)
+    got = lkh_one.run(None, {**common, **layers[0]})[0].reshape(-1)
+    err = _leank_check(got, q0, tm, keep, ctx, full, tol, "head-major LeanK")
+    return _best_median(lambda: lkh.run_with_iobinding(bd), n, repeat), err
+
+
+def _leank_check(got: np.ndarray, q0, tm, keep, ctx: int, full: int, tol: float, what: str) -> float:
+    """Max |error| of one block's output ``got`` against :func:`_leank_reference` on layer
+    0's cache; raises ``RuntimeError`` above ``tol`` (a candidate is timed only if right)."""
     err = float(np.abs(got - _leank_reference(q0.reshape(-1), tm[0][:ctx], tm[1][:ctx], keep, full)).max())
     if err > tol:
-        raise RuntimeError(f"the head-major LeanK attention differs from the reference by {err:.2e} at {ctx} tokens")
-    return _best_median(lambda: lkh.run_with_iobinding(bd), n, repeat), err
+        raise RuntimeError(f"the {what} attention differs from the reference by {err:.2e} at {ctx} tokens")
+    return err
 
 
 def _leank_time(lk, lk_one, q0, tm, kmid, keep, ctx: int, full: int, n: int, repeat: int):
@@ -525,9 +535,7 @@ def _leank_time(lk, lk_one, q0, tm, kmid, keep, ctx: int, full: int, n: int, rep
     lk.run_with_iobinding(bd)
     got = lk_one.run(None, {"q0": q0, "Kf0": tm[0][:full], "Km0": kmid[0][:ctx - full],
                             "V0": tm[1][:ctx], "keep0": keep})[0].reshape(-1)
-    err = float(np.abs(got - _leank_reference(q0.reshape(-1), tm[0][:ctx], tm[1][:ctx], keep, full)).max())
-    if err > 1e-4:
-        raise RuntimeError(f"the LeanK attention differs from the reference by {err:.2e} at {ctx} tokens")
+    err = _leank_check(got, q0, tm, keep, ctx, full, 1e-4, "LeanK")
     t = _best_median(lambda: lk.run_with_iobinding(bd), n, repeat)
     width = tm[0].shape[1]
     nbytes = nlayers * 4 * (full * width + (ctx - full) * len(keep) + ctx * width)
