@@ -8,7 +8,10 @@ Each cell that the cache cannot answer is one task with its resources declared
 (``num_cpus`` = the study's threads, ``memory`` from the model's size, one GPU when the
 study runs on CUDA); a worker computes the cell with the same code as the local loop and
 writes into the same cache folder (a cluster needs that folder on a shared file system;
-the results a task returns are also stored by the driver).
+the results a task returns are also stored by the driver). The driver's bar counts each
+unit as it lands in that folder (polled every :data:`RAY_POLL_S` seconds), so it moves
+inside a cell as the local loop's does; where the folder is not shared it moves when a
+cell returns.
 """
 
 from __future__ import annotations
@@ -48,6 +51,11 @@ class _Progress:
         self.bar.set_postfix_str(f"{label}: {text}", refresh=True)
 
     def skip(self, n: int) -> None:
+        self.bar.update(n)
+
+    def advance(self, label: str, text: str, n: int) -> None:
+        """``n`` steps at once with the bar's text (a Ray cell's units seen landing)."""
+        self.bar.set_postfix_str(f"{label}: {text}", refresh=False)
         self.bar.update(n)
 
     def close(self) -> None:
@@ -117,6 +125,15 @@ def _ray_cell(config: dict, cache_root: str, pc: dict) -> dict:
 CELL_WEIGHT_COPIES, CELL_OVERHEAD = 4, 1 << 30
 #: Ray's object store for ``--ray local``: the cells' arguments and results are small dicts.
 LOCAL_OBJECT_STORE = 512 << 20
+#: Seconds between the driver's looks at the cache for units the workers have finished.
+RAY_POLL_S = 5.0
+
+
+def _landed(pc: PlannedCell, cache: Cache, compress: bool) -> int:
+    """Steps of ``pc`` already in the cache: its stored units (+1 for its compressed model
+    when the cell has to compress)."""
+    n = sum(cache.result_path(k).is_file() for k in pc.units.values())
+    return n + int(compress and cache.has_model(pc.cell_key))
 
 
 def _memory_bytes(model: str) -> int:
@@ -187,6 +204,8 @@ def run_ray(config: StudyConfig, cache: Cache, address: str, *, progress: bool =
         remote = ray.remote(_ray_cell)
         outcomes: dict[int, CellOutcome] = {}
         pending = {}
+        # a step per missing unit and compression, as the local loop's bar; counted as they land
+        compress, steps, base = {}, {}, {}
         for i, pc in enumerate(plan):
             if pc.error:
                 outcomes[i] = _failed(pc, EdgePruneError(pc.error), cache)
@@ -200,10 +219,20 @@ def run_ray(config: StudyConfig, cache: Cache, address: str, *, progress: bool =
             opts = dict(num_cpus=threads, memory=_memory_bytes(pc.model), max_retries=0)
             if config.device.startswith("cuda"):
                 opts["num_gpus"] = 1
+            compress[i] = not pc.spec.is_dense and not cache.has_model(pc.cell_key)
+            steps[i], base[i] = _steps(pc, runner), _landed(pc, cache, compress[i])
             pending[remote.options(**opts).remote(config.to_dict(), str(cache.root), pc.to_dict())] = i
-        prog = _Progress(len(pending), progress)
+        ticked = dict.fromkeys(pending.values(), 0)
+        prog = _Progress(sum(steps.values()), progress)
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=RAY_POLL_S)
+            for i in pending.values():
+                now = min(steps[i], _landed(plan[i], cache, compress[i]) - base[i])
+                if now > ticked[i]:
+                    prog.advance(plan[i].spec.label, f"{now}/{steps[i]} measured", now - ticked[i])
+                    ticked[i] = now
+            if not done:
+                continue
             i = pending.pop(done[0])
             pc = plan[i]
             try:
@@ -217,7 +246,8 @@ def run_ray(config: StudyConfig, cache: Cache, address: str, *, progress: bool =
                 outcomes[i] = _failed(pc, exc, cache)
             if outcomes[i].status == "failed":
                 log(f"cell {pc.model} {pc.spec.label} failed: {outcomes[i].error}")
-            prog.tick(pc.spec.label, outcomes[i].status)
+            # the cell's steps not seen landing (a failure, a cache folder the driver cannot see)
+            prog.advance(pc.spec.label, outcomes[i].status, max(0, steps[i] - ticked[i]))
         prog.close()
         return [outcomes[i] for i in range(len(plan))]
     finally:
