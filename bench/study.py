@@ -48,11 +48,13 @@ TASKS = "piqa,arc_easy,arc_challenge,hellaswag,winogrande,boolq,openbookqa"
 
 
 def study_args(out: Path, *, quick: bool, limit: int, threads: int, model: str,
-               dtype: str = "float32") -> list[str]:
+               dtype: str = "float32", ray: "str | None" = None) -> list[str]:
     """The ``edgeprune study`` arguments of docs/study.md (``quick``: 2 cells, 4
     calibration windows, 4 text windows, 2 tasks, 20 documents, 20 language lines;
-    ``dtype``: of task and language scoring, ``--dtype`` added unless float32)."""
+    ``dtype``: of task and language scoring, ``--dtype`` added unless float32; ``ray``:
+    ``--ray`` added when given)."""
     extra = [] if dtype == "float32" else ["--dtype", dtype]
+    extra += ["--ray", ray] if ray else []
     return ["study", "--models", model,
             "--cells", "gptq:4,sparsegpt:0.5" if quick else CELLS,
             "--calib", str(SHARED / "data" / "c4" / "c4_validation_2k.parquet"),
@@ -142,6 +144,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="task and language scoring precision (bfloat16: about 2x faster on AVX512-BF16/AMX)")
+    ap.add_argument("--ray", default=None, help="'local' or a cluster address: cells as Ray tasks, each with "
+                    "--threads CPUs (on 2 cores, --threads 1 --ray local runs two cells at once)")
     ap.add_argument("--out", default=None, help="the study's folder (default bench/.cache/study[-quick])")
     ap.add_argument("--from", dest="from_", default=None, help="a finished study folder: convert only")
     ap.add_argument("--plots-to", default=None, help="copy the study's plots/*.png here (e.g. docs)")
@@ -149,7 +153,8 @@ def main(argv=None) -> int:
 
     out = Path(a.from_ or a.out or benchlib.CACHE / ("study-quick" if a.quick else "study"))
     if not a.from_:
-        args = study_args(out, quick=a.quick, limit=a.limit, threads=a.threads, model=a.model, dtype=a.dtype)
+        args = study_args(out, quick=a.quick, limit=a.limit, threads=a.threads, model=a.model, dtype=a.dtype,
+                          ray=a.ray)
         print("edgeprune " + " ".join(args), flush=True)
         t0 = time.perf_counter()
         _cli(*args)

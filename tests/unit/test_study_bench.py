@@ -67,6 +67,11 @@ def test_the_documented_command_and_a_missing_run(benchlib, tmp_path):
     assert "--dtype" not in args
     b16 = bench.study_args(tmp_path / "o", quick=False, limit=500, threads=2, model="smollm2-135m", dtype="bfloat16")
     assert b16[b16.index("--dtype") + 1] == "bfloat16" and b16[:b16.index("--dtype")] == args[:-2]
+    assert "--ray" not in args
+    r = bench.study_args(tmp_path / "o", quick=False, limit=500, threads=1, model="smollm2-135m",
+                         dtype="bfloat16", ray="local")
+    assert r[r.index("--ray") + 1] == "local" and r[r.index("--threads") + 1] == "1"
+    assert r[r.index("--out") - 2:r.index("--out")] == ["--ray", "local"]
     with pytest.raises(SystemExit, match="results.json is missing"):
         bench.main(["--from", str(tmp_path), "--json", str(tmp_path / "x.json")])
 
