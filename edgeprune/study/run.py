@@ -240,8 +240,8 @@ def run_ray(config: StudyConfig, cache: Cache, address: str, *, progress: bool =
                 for u, v in d["units"].items():
                     if v is not None and cache.get(pc.units[u]) is None:
                         cache.put(pc.units[u], v)
-                outcomes[i] = _Outcome(pc.model, pc.spec, pc.cell_key, d["status"], d["units"], d["computed"],
-                                       d["error"], d["record"])
+                outcomes[i] = _Outcome(pc.model, pc.spec, pc.cell_key, d["status"], units=d["units"],
+                                       computed=d["computed"], error=d["error"], record=d["record"])
             except Exception as exc:  # noqa: BLE001 -- a worker that died: the cell fails, others run
                 outcomes[i] = _failed(pc, exc, cache)
             if outcomes[i].status == "failed":

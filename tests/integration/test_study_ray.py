@@ -29,6 +29,7 @@ def test_ray_local_gives_the_local_table(tmp_path, monkeypatch):
     remote = run_study(cfg_ray, tmp_path / "b", ray_address="local", progress=False, log=lambda m: None,
                        plots=False)
     assert [o.status for o in remote.outcomes] == ["computed"] * 3
+    assert all(o.error is None and sorted(o.computed) == sorted(o.units) for o in remote.outcomes)
     units = sum(len(o.units) for o in remote.outcomes)
     assert sum(n for _, _, n in bar) == units + 2                     # + the two compressions
     assert sum(n for _, text, n in bar if text.endswith("measured")) > units // 2, bar
