@@ -129,13 +129,6 @@ LOCAL_OBJECT_STORE = 512 << 20
 RAY_POLL_S = 5.0
 
 
-def _landed(pc: PlannedCell, cache: Cache, compress: bool) -> int:
-    """Steps of ``pc`` already in the cache: its stored units (+1 for its compressed model
-    when the cell has to compress)."""
-    n = sum(cache.result_path(k).is_file() for k in pc.units.values())
-    return n + int(compress and cache.has_model(pc.cell_key))
-
-
 def _memory_bytes(model: str) -> int:
     """Memory a cell declares to Ray: :data:`CELL_WEIGHT_COPIES` float32 copies of the
     weights plus :data:`CELL_OVERHEAD`. A GGUF's parameter count is read from its tensor
@@ -205,7 +198,7 @@ def run_ray(config: StudyConfig, cache: Cache, address: str, *, progress: bool =
         outcomes: dict[int, CellOutcome] = {}
         pending = {}
         # a step per missing unit and compression, as the local loop's bar; counted as they land
-        compress, steps, base = {}, {}, {}
+        steps = {}
         for i, pc in enumerate(plan):
             if pc.error:
                 outcomes[i] = _failed(pc, EdgePruneError(pc.error), cache)
@@ -219,15 +212,14 @@ def run_ray(config: StudyConfig, cache: Cache, address: str, *, progress: bool =
             opts = dict(num_cpus=threads, memory=_memory_bytes(pc.model), max_retries=0)
             if config.device.startswith("cuda"):
                 opts["num_gpus"] = 1
-            compress[i] = not pc.spec.is_dense and not cache.has_model(pc.cell_key)
-            steps[i], base[i] = _steps(pc, runner), _landed(pc, cache, compress[i])
+            steps[i] = _steps(pc, runner)
             pending[remote.options(**opts).remote(config.to_dict(), str(cache.root), pc.to_dict())] = i
         ticked = dict.fromkeys(pending.values(), 0)
         prog = _Progress(sum(steps.values()), progress)
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1, timeout=RAY_POLL_S)
             for i in pending.values():
-                now = min(steps[i], _landed(plan[i], cache, compress[i]) - base[i])
+                now = steps[i] - _steps(plan[i], runner)
                 if now > ticked[i]:
                     prog.advance(plan[i].spec.label, f"{now}/{steps[i]} measured", now - ticked[i])
                     ticked[i] = now
