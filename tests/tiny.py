@@ -1,6 +1,7 @@
 """Tiny models, tokenizers and exports for the tests (built offline, in seconds).
 
-* :func:`tiny_model`: a random-weight decoder from any transformers config class.
+* :func:`tiny_model`: a random-weight decoder from any transformers config class;
+  :func:`tiny_gemma3`: Gemma 3 with local and global layers.
 * :func:`byte_tokenizer`: one id per byte (ids < 255, ``</s>`` = 255), for the vocab-256 tiny models.
 * :func:`bpe_tokenizer` / :func:`save_bpe_tokenizer`: a byte-level BPE with merges trained on
   :data:`CORPUS` and a ChatML template, for the runtime tokenizer tests.
@@ -35,6 +36,25 @@ def tiny_model(config_cls, **kw):
             if p.dim() == 2:
                 p.normal_(0, 0.08)
     return model.float().eval()
+
+
+def tiny_gemma3(**kw):
+    """A Gemma 3 text model of 3 layers (sliding, full, sliding; window 4), one KV head,
+    QK-norm and (1 + w) norms with random ``w``; ``kw`` overrides the config."""
+    from transformers import Gemma3TextConfig
+
+    cfg = dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=16, sliding_window=4,
+               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+               rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+               query_pre_attn_scalar=24, tie_word_embeddings=True, pad_token_id=0)
+    cfg.update(kw)
+    m = tiny_model(Gemma3TextConfig, **cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.normal_(0, 0.3)
+    return m
 
 
 BYTE_CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"

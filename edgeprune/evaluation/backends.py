@@ -47,15 +47,44 @@ def _gather(first: torch.Tensor, rest: Optional[torch.Tensor], cont: list[int]) 
     return lp, greedy
 
 
+#: Tokens per packed forward pass of :class:`TorchBackend` (several groups in one row).
+#: Measured on SmolLM2-135M, 1 thread, 300 groups of the study's seven tasks (bf16):
+#: 128 tokens 41.2 s, 256 39.5 s, 512 42.9 s, against 66.7 s for one group per pass.
+PACK_TOKENS = 256
+
+
+def _packable(model) -> bool:
+    """Whether ``model`` can score several groups in one row: an attention that takes a
+    custom additive 4D mask (``sdpa``, ``eager``), a forward that takes ``position_ids``
+    and an index tensor as ``logits_to_keep``, and no hook on the whole model (such a
+    hook may act per batch row, e.g. IG-Pruning's router, and a packed row mixes groups)."""
+    import inspect
+
+    impl = getattr(model.config, "_attn_implementation", None)
+    params = inspect.signature(model.forward).parameters
+    return (impl in ("sdpa", "eager") and "position_ids" in params and "logits_to_keep" in params
+            and not model._forward_pre_hooks and not model._forward_hooks)
+
+
 class TorchBackend:
     """A transformers causal LM (``model(ids, past_key_values=..., use_cache=True)``).
+
+    Scoring packs several ``(context, continuations)`` groups into one row of up to
+    ``pack_tokens`` tokens: each group's context once, then each continuation (all but its
+    last token) after it, with positions restarting per group and per continuation and an
+    additive 4D attention mask that lets a token see only its own context and its own
+    continuation (a prefix tree per group, groups block-diagonal). One forward pass
+    scores them all with no padding; the head runs only on the positions whose
+    log-probabilities are read (``logits_to_keep`` as indices). Models that cannot take
+    such a mask (see :func:`_packable`) score one group per pass on a KV cache.
 
     Args:
         model: the torch model (eval mode; its device is used).
         max_length: context limit in tokens (default: ``config.max_position_embeddings``).
+        pack_tokens: tokens per packed row (0: one group per pass, context on a KV cache).
     """
 
-    def __init__(self, model, max_length: Optional[int] = None):
+    def __init__(self, model, max_length: Optional[int] = None, pack_tokens: int = PACK_TOKENS):
         self.model = model
         self.device = next(model.parameters()).device
         cfg = model.config
@@ -69,6 +98,33 @@ class TorchBackend:
         # transformers 5.24 names the KV cache ``cache`` (``past_key_values`` before)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.pack_tokens = int(pack_tokens) if pack_tokens and _packable(model) else 0
+        types = getattr(cfg, "layer_types", None) or []
+        window = getattr(cfg, "sliding_window", None)
+        self._window = int(window) if window and "sliding_attention" in types else None
+
+    def plan(self, sizes: Sequence[int]) -> list[list[int]]:
+        """Which groups share a forward pass: consecutive groups of ``sizes`` (tokens each,
+        :meth:`group_tokens`) filled up to ``pack_tokens`` (a larger group alone);
+        one group per pass when packing is off."""
+        if not self.pack_tokens:
+            return [[i] for i in range(len(sizes))]
+        out: list[list[int]] = []
+        used = 0
+        for i, n in enumerate(sizes):
+            if out and used + n <= self.pack_tokens:
+                out[-1].append(i)
+                used += n
+            else:
+                out.append([i])
+                used = n
+        return out
+
+    def group_tokens(self, context: list[int], continuations: Sequence[list[int]]) -> int:
+        """Tokens a group takes in a packed row: its (truncated) context and every
+        continuation but its last token."""
+        ctx = _truncate(context, continuations, self.max_length)
+        return len(ctx) + sum(len(c) - 1 for c in continuations)
 
     def _step(self, rows, cache=None, **kw):
         """``(logits, cache)`` of a forward over ``rows`` (ids or a tensor) on top of ``cache``."""
@@ -96,9 +152,65 @@ class TorchBackend:
 
     @torch.no_grad()
     def score_many(self, groups: Sequence[tuple[list[int], Sequence[list[int]]]]) -> list[Scores]:
-        """:meth:`score` of several ``(context, continuations)`` groups in two forward passes:
-        the contexts (left-padded, with their attention mask and positions), then every
+        """:meth:`score` of several ``(context, continuations)`` groups: packed rows of
+        ``pack_tokens`` (see the class), or, with packing off, two forward passes: the
+        contexts (left-padded, with their attention mask and positions), then every
         continuation on its context's KV cache rows."""
+        if self.pack_tokens:
+            out: list[Scores] = []
+            for row in self.plan([self.group_tokens(c, k) for c, k in groups]):
+                out += self._score_row([groups[i] for i in row])
+            return out
+        return self._score_cached(groups)
+
+    def _score_row(self, groups) -> list[Scores]:
+        """The groups of one packed row in one forward pass (see the class)."""
+        ids: list[int] = []
+        pos: list[int] = []
+        grp: list[int] = []
+        branch: list[int] = []
+        where = []                                  # (last context index, [(start, n)], conts)
+        for g, (context, conts) in enumerate(groups):
+            ctx = _truncate(context, conts, self.max_length)
+            ids += ctx
+            last = len(ids) - 1                     # predicts every continuation's first token
+            pos += range(len(ctx))
+            grp += [g] * len(ctx)
+            branch += [0] * len(ctx)
+            spans = []
+            for k, c in enumerate(conts):
+                spans.append((len(ids), len(c) - 1))
+                ids += c[:-1]
+                pos += range(len(ctx), len(ctx) + len(c) - 1)
+                grp += [g] * (len(c) - 1)
+                branch += [k + 1] * (len(c) - 1)
+            where.append((last, spans, conts))
+        n = len(ids)
+        gt, bt, pt, ar = (torch.tensor(v) for v in (grp, branch, pos, list(range(n))))
+        allow = ((gt[:, None] == gt[None]) & ((bt[None] == 0) | (bt[:, None] == bt[None]))
+                 & (ar[None] <= ar[:, None]))
+        dtype = next(self.model.parameters()).dtype
+        low = torch.finfo(dtype).min
+
+        def additive(ok):
+            return torch.zeros((1, 1, n, n), dtype=dtype).masked_fill_(~ok, low).to(self.device)
+
+        mask = additive(allow)
+        if self._window is not None:
+            mask = {"full_attention": mask,
+                    "sliding_attention": additive(allow & ((pt[:, None] - pt[None]) < self._window))}
+        need = sorted({w[0] for w in where} | {a + i for w in where for a, m in w[1] for i in range(m)})
+        row = {p: i for i, p in enumerate(need)}
+        logits = self.model(torch.tensor([ids], device=self.device), attention_mask=mask,
+                            position_ids=pt[None].to(self.device), use_cache=False,
+                            logits_to_keep=torch.tensor(need, device=self.device)).logits[0]
+        lp = F.log_softmax(logits.float(), -1).cpu()
+        return [[_gather(lp[row[first]], lp[[row[a + i] for i in range(m)]] if m else None, c)
+                 for (a, m), c in zip(spans, conts)] for first, spans, conts in where]
+
+    def _score_cached(self, groups) -> list[Scores]:
+        """Groups scored on a KV cache (packing off): contexts left-padded in one pass,
+        then every continuation in a second pass on its context's cache rows."""
         ctxs = [_truncate(ctx, conts, self.max_length) for ctx, conts in groups]
         width = max(len(c) for c in ctxs)
         ids = torch.zeros((len(ctxs), width), dtype=torch.long)

@@ -31,16 +31,18 @@ class EdgepruneLM(TemplateLM):
             or a ``runtime`` session (see :func:`~edgeprune.evaluation.backends.backend_for`).
         tokenizer: the model's Hugging Face tokenizer.
         progress: show a progress bar over requests.
-        batch_groups: request groups (one context each) scored in one batch (left-padded
-            contexts); 1, the default, was the cheapest on a 2-core CPU (no padding).
+        batch_groups: request groups (one context each) handed to the backend at a time;
+            None, the default, lets the backend plan them (a PyTorch model packs groups into
+            rows of ``PACK_TOKENS`` tokens, no padding: 1.7x faster than one group per pass
+            on a 2-core CPU).
     """
 
-    def __init__(self, model, tokenizer, progress: bool = True, batch_groups: int = 1):
+    def __init__(self, model, tokenizer, progress: bool = True, batch_groups: int | None = None):
         super().__init__()
         self.backend = backend_for(model)
         self.tokenizer = tokenizer
         self.progress = progress
-        self.batch_groups = max(1, int(batch_groups))
+        self.batch_groups = None if batch_groups is None else max(1, int(batch_groups))
 
     # ---- what TemplateLM asks for
     @property
@@ -93,8 +95,15 @@ class EdgepruneLM(TemplateLM):
                    disable=disable_tqdm or not self.progress)
         # groups of similar context length batched together (little padding)
         order = sorted(groups.items(), key=lambda kv: -len(kv[0]))
-        for b in range(0, len(order), self.batch_groups):
-            chunk = order[b: b + self.batch_groups]
+        plan = getattr(self.backend, "plan", None)
+        if self.batch_groups is None and plan is not None:
+            chunks = plan([self.backend.group_tokens(list(ctx), [requests[i][2] for i in idx])
+                           for ctx, idx in order])
+        else:
+            step = self.batch_groups or 1
+            chunks = [list(range(b, min(b + step, len(order)))) for b in range(0, len(order), step)]
+        for rows in chunks:
+            chunk = [order[k] for k in rows]
             scores = self.backend.score_many([(list(ctx), [list(requests[i][2]) for i in idx]) for ctx, idx in chunk])
             for (_, idx), sc in zip(chunk, scores):
                 for i, s in zip(idx, sc):

@@ -8,26 +8,9 @@ import torch
 
 from edgeprune.blocks import BlockBatch, capture_block_inputs, find_decoder_blocks, run_block
 
-from tiny import tiny_model
+from tiny import tiny_gemma3
 
 CPU = torch.device("cpu")
-
-
-def tiny_gemma3(**kw):
-    """3 layers (sliding, full, sliding; window 4), QK-norm, (1 + w) norms with random w."""
-    from transformers import Gemma3TextConfig
-    cfg = dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=16, sliding_window=4,
-               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-               rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
-               query_pre_attn_scalar=24, tie_word_embeddings=True, pad_token_id=0)
-    cfg.update(kw)
-    m = tiny_model(Gemma3TextConfig, **cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 1:
-                p.normal_(0, 0.3)
-    return m
 
 
 def _hidden_states(model, ids, mask=None):

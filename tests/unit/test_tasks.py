@@ -101,7 +101,7 @@ def _hf_tiny(tmp_path):
     return AutoModelForCausalLM.from_pretrained(str(folder)).eval(), AutoTokenizer.from_pretrained(str(folder))
 
 
-@pytest.mark.parametrize("batch_groups", [1, 8])
+@pytest.mark.parametrize("batch_groups", [None, 1, 8])
 def test_our_lm_scores_like_lm_evals_hf_model(tmp_path, batch_groups):
     """Same requests, same token ids: the log-likelihoods of EdgepruneLM (context shared by
     the choices, KV cache) equal those of lm-eval's HFLM on the same in-memory model."""
