@@ -104,7 +104,7 @@ def _hf_tiny(tmp_path):
 @pytest.mark.parametrize("batch_groups", [None, 1, 8])
 def test_our_lm_scores_like_lm_evals_hf_model(tmp_path, batch_groups):
     """Same requests, same token ids: the log-likelihoods of EdgepruneLM (context shared by
-    the choices, KV cache) equal those of lm-eval's HFLM on the same in-memory model."""
+    the choices: packed rows by default, a KV cache with ``batch_groups``) equal those of lm-eval's HFLM on the same in-memory model."""
     from lm_eval.evaluator import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
