@@ -48,12 +48,14 @@ TASKS = "piqa,arc_easy,arc_challenge,hellaswag,winogrande,boolq,openbookqa"
 
 
 def study_args(out: Path, *, quick: bool, limit: int, threads: int, model: str,
-               dtype: str = "float32", ray: "str | None" = None) -> list[str]:
+               dtype: str = "float32", ray: "str | None" = None, calib_dtype: str = "float32") -> list[str]:
     """The ``edgeprune study`` arguments of docs/study.md (``quick``: 2 cells, 4
     calibration windows, 4 text windows, 2 tasks, 20 documents, 20 language lines;
-    ``dtype``: of task and language scoring, ``--dtype`` added unless float32; ``ray``:
+    ``dtype``: of task and language scoring, ``--dtype`` added unless float32;
+    ``calib_dtype``: of the calibration forward passes, ``--calib-dtype`` likewise; ``ray``:
     ``--ray`` added when given)."""
     extra = [] if dtype == "float32" else ["--dtype", dtype]
+    extra += [] if calib_dtype == "float32" else ["--calib-dtype", calib_dtype]
     extra += ["--ray", ray] if ray else []
     return ["study", "--models", model,
             "--cells", "gptq:4,sparsegpt:0.5" if quick else CELLS,
@@ -144,6 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="task and language scoring precision (bfloat16: about 2x faster on AVX512-BF16/AMX)")
+    ap.add_argument("--calib-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="precision of the compressions' calibration forward passes (weights and Hessians stay float32)")
     ap.add_argument("--ray", default=None, help="'local' or a cluster address: cells as Ray tasks, each with "
                     "--threads CPUs (on 2 cores, --threads 1 --ray local runs two cells at once)")
     ap.add_argument("--out", default=None, help="the study's folder (default bench/.cache/study[-quick])")
@@ -154,7 +158,7 @@ def main(argv=None) -> int:
     out = Path(a.from_ or a.out or benchlib.CACHE / ("study-quick" if a.quick else "study"))
     if not a.from_:
         args = study_args(out, quick=a.quick, limit=a.limit, threads=a.threads, model=a.model, dtype=a.dtype,
-                          ray=a.ray)
+                          ray=a.ray, calib_dtype=a.calib_dtype)
         print("edgeprune " + " ".join(args), flush=True)
         t0 = time.perf_counter()
         _cli(*args)

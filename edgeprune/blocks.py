@@ -164,6 +164,36 @@ def capture_block_inputs(model, blocks, calib_ids, attention_mask, batch_size, d
     return batches
 
 
+def cast_batches(batches, dtype: torch.dtype) -> list:
+    """New :class:`BlockBatch` objects with every floating tensor (hidden states, rotary
+    tables, float masks) in ``dtype``; tensors shared between blocks' kwargs stay shared,
+    token masks and integer tensors are reused as they are."""
+    memo: dict[int, object] = {}
+
+    def cast(v):
+        if isinstance(v, torch.Tensor):
+            if not v.is_floating_point() or v.dtype == dtype:
+                return v
+            if id(v) not in memo:
+                memo[id(v)] = v.to(dtype)
+            return memo[id(v)]
+        if isinstance(v, tuple):
+            return tuple(cast(x) for x in v)
+        return v
+
+    out = []
+    for b in batches:
+        kws = getattr(b, "layer_kwargs", None) or [b[1]]
+        seen: dict[int, dict] = {}
+        new_kws = [seen.setdefault(id(kw), {k: cast(v) for k, v in kw.items()}) for kw in kws]
+        nb = BlockBatch(cast(b[0]), new_kws, b[2])
+        nb.block = getattr(b, "block", 0)
+        if nb.block < len(new_kws):
+            nb[1] = new_kws[nb.block]
+        out.append(nb)
+    return out
+
+
 def run_block(block, batches):
     """Replace each batch's hidden states by the block's output (a :class:`BlockBatch`
     also moves on to the next block's kwargs).

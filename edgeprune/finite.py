@@ -109,7 +109,8 @@ class FiniteWatch:
             for mod, label in ((norm, "the final norm"), (head, "lm_head")):
                 if mod is None:
                     continue
-                h = mod(h.to(next(mod.parameters()).device))
+                w = next(mod.parameters())
+                h = mod(h.to(device=w.device, dtype=w.dtype))
                 if not bool(torch.isfinite(h).all()):
                     raise self._error(f"{label}", 1, logits=True)
 

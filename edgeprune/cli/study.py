@@ -43,6 +43,9 @@ def _split(text) -> list[str]:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Precision of task and language scoring (the fidelity text is always float32); bfloat16 "
                    "is about 2x faster on CPUs with AVX512-BF16 or AMX.")
+@click.option("--calib-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Precision of the compressions' calibration forward passes (weights, Hessians and the "
+                   "methods stay float32); bfloat16 is about 1.7x faster on CPUs with AVX512-BF16 or AMX.")
 @click.option("--device", default="cpu", show_default=True)
 @threads_option(help="Torch threads per cell (Ray: the CPUs each cell declares; default: all cores).")
 @click.option("--ray", "ray_address", default=None, help="Run cells as Ray tasks: 'local' or a cluster ADDRESS.")
@@ -50,8 +53,8 @@ def _split(text) -> list[str]:
 @click.option("--out", "out_dir", required=True, help="Folder for results.csv/.md/.json and plots/.")
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
 def study_cmd(models, methods, bits, sparsity, pattern, cells, group_size, calib, nsamples, seqlen, seed, text,
-              eval_seqlen, nwindows, continuations, tasks, limit, task_data, langs, lang_lines, dtype, device, threads,
-              ray_address, cache, out_dir, no_plots):
+              eval_seqlen, nwindows, continuations, tasks, limit, task_data, langs, lang_lines, dtype, calib_dtype, device,
+              threads, ray_address, cache, out_dir, no_plots):
     """Run the pruning-vs-quantization grid: every model x compression cell, measured on
     fidelity, tasks and languages; cached by content hash (a re-run computes only what
     changed)."""
@@ -74,7 +77,7 @@ def study_cmd(models, methods, bits, sparsity, pattern, cells, group_size, calib
     cfg = StudyConfig(models=_split(models), cells=grid, group_size=group_size, calib=calib, nsamples=nsamples,
                       seqlen=seqlen, seed=seed, text=text, eval_seqlen=eval_seqlen, nwindows=nwindows or None,
                       continuations=continuations, tasks=task_names, limit=limit, task_data=task_data, langs=langs,
-                      lang_lines=lang_lines, dtype=dtype, device=device, threads=threads, cache=cache)
+                      lang_lines=lang_lines, dtype=dtype, calib_dtype=calib_dtype, device=device, threads=threads, cache=cache)
     con = _console()
     con.print(f"study: {len(cfg.models)} model(s) x {len(grid)} cells: {', '.join(c.label for c in grid)}")
     table = run_study(cfg, out_dir, ray_address=ray_address, log=lambda m: con.print(m))

@@ -152,6 +152,8 @@ class StudyRunner:
         cells = []
         text = self._text_digest(c.text)
         calib = dict(source=self._calib_digest(c.calib), nsamples=c.nsamples, seqlen=c.seqlen, seed=c.seed)
+        if c.calib_dtype != "float32":                                  # float32 keys as before
+            calib["forward_dtype"] = c.calib_dtype
         scored = {} if c.dtype == "float32" else dict(dtype=c.dtype)     # float32 keys as before
         tasks = {t: dict(task=t, limit=c.limit, num_fewshot=c.num_fewshot, data=self._task_data_digest(), **scored)
                  for t in c.tasks} if c.tasks else {}
@@ -247,9 +249,11 @@ class StudyRunner:
         torch.manual_seed(self.config.seed)
         label = pc.spec.label
         res = compress(model, recipe, st.calib, device=self.config.device, progress=False,
-                       on_block=lambda done, n: self.status(label, f"compress {done}/{n}"))
+                       on_block=lambda done, n: self.status(label, f"compress {done}/{n}"),
+                       forward_dtype=getattr(torch, self.config.calib_dtype))
         summ = res.summary()
-        out.record = dict(spec=pc.spec.to_dict(), seconds=summ.get("seconds"), calibration=st.calib_info,
+        out.record = dict(spec=pc.spec.to_dict(), seconds=summ.get("seconds"),
+                          calibration=dict(st.calib_info, forward_dtype=self.config.calib_dtype),
                           avg_bits_per_weight=summ.get("avg_bits_per_weight"), fallbacks=list(res.fallbacks),
                           mean_layer_error=summ.get("mean_layer_error"))
         self.cache.save_model(pc.cell_key, model, st.state, out.record)
@@ -333,6 +337,9 @@ def check_config(config: StudyConfig) -> None:
     from ..evaluation.backends import check_scoring_dtype
 
     check_scoring_dtype(config.dtype)
+    if config.calib_dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"calib_dtype {config.calib_dtype!r} is not float32 or bfloat16",
+                          "pass --calib-dtype float32 or --calib-dtype bfloat16")
     if config.continuations < 0:
         raise ConfigError(f"--continuations {config.continuations} must be >= 0", "pass e.g. --continuations 32")
 

@@ -218,7 +218,9 @@ class StudyConfig:
     ``prompt_len`` tokens, ``new_tokens`` compared); tasks (``tasks``, ``limit``,
     ``task_data``, ``num_fewshot``); languages (``langs``, ``lang_lines``); ``dtype`` of
     task and language scoring (``"float32"`` or ``"bfloat16"``; the fidelity text is always
-    scored in float32); ``device``, ``threads``; ``cache`` folder.
+    scored in float32); ``calib_dtype`` of the compressions' calibration forward passes
+    (``"bfloat16"``: see :func:`edgeprune.engine.compress`'s ``forward_dtype``; weights and
+    Hessians stay float32); ``device``, ``threads``; ``cache`` folder.
     """
 
     models: list = field(default_factory=lambda: ["smollm2-135m"])
@@ -241,6 +243,7 @@ class StudyConfig:
     langs: Optional[str] = None
     lang_lines: Optional[int] = 200
     dtype: str = "float32"
+    calib_dtype: str = "float32"
     device: str = "cpu"
     threads: Optional[int] = None
     cache: Optional[str] = None

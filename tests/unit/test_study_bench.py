@@ -72,6 +72,10 @@ def test_the_documented_command_and_a_missing_run(benchlib, tmp_path):
                          dtype="bfloat16", ray="local")
     assert r[r.index("--ray") + 1] == "local" and r[r.index("--threads") + 1] == "1"
     assert r[r.index("--out") - 2:r.index("--out")] == ["--ray", "local"]
+    assert "--calib-dtype" not in r
+    c = bench.study_args(tmp_path / "o", quick=False, limit=500, threads=2, model="smollm2-135m",
+                         calib_dtype="bfloat16")
+    assert c[c.index("--calib-dtype") + 1] == "bfloat16" and c[:c.index("--calib-dtype")] == args[:-2]
     with pytest.raises(SystemExit, match="results.json is missing"):
         bench.main(["--from", str(tmp_path), "--json", str(tmp_path / "x.json")])
 
