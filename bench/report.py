@@ -111,7 +111,8 @@ DOC_TABLES = {
         "decode_ratio_paired_max", "peak_rss_mib", "peak_rss_mib:theirs", "kv_cache_mib", "kv_cache_mib:theirs")),
     # the study grid (bench/study.py): summary, tasks, languages
     **{f"study_{m}{tag}": ("docs/study.md", cols)
-       for m in ("smollm2-135m", "smollm2-135m-limit500", "gemma3-270m", "qwen2.5-coder-0.5b")
+       for m in ("smollm2-135m", "smollm2-135m-limit500", "smollm2-135m-limit500-bf16", "gemma3-270m",
+                 "qwen2.5-coder-0.5b")
        for tag, cols in (
            ("", ("ppl", "kl_nats", "top1_agree_pct", "snr_db", "cont_changed_pct", "acc_mean_pct",
                  "lang_change_mean_pct", "avg_bits", "compress_s", "grid_wall_min", "grid_compute_min", "cells",

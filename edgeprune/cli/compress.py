@@ -33,12 +33,15 @@ from ._common import (METHODS, _check_output, _console, _parse_pattern, _write_j
               help="Measure each layer's reconstruction error on calibration windows (in --json). "
                    "Data-free methods (rtn, magnitude) build no calibration windows and run no forward "
                    "pass unless this flag, --calib or --nsamples is given.")
+@click.option("--calib-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Precision of the calibration forward passes (weights, Hessians and the method stay "
+                   "float32); bfloat16 is faster on CPUs with AVX512-BF16 or AMX.")
 @threads_option()
 @click.option("--overwrite", is_flag=True)
 @click.option("--json", "json_path", default=None, help="Write the compression summary here.")
 def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern, calib, nsamples, seqlen,
-                 seed, device, out_dir, fmt, asym_layout, embedding_dtype, measure_error, threads, overwrite,
-                 json_path):
+                 seed, device, out_dir, fmt, asym_layout, embedding_dtype, measure_error, calib_dtype, threads,
+                 overwrite, json_path):
     """Compress MODEL with a method or recipe and save a checkpoint.
 
     Data-free methods (rtn, magnitude) read only the weights: no calibration data and no
@@ -82,13 +85,17 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
                                     model_max_length=getattr(m.config, "max_position_embeddings", None),
                                     model=m)
             con.print(describe(cal.info))
-            ids, calib_info = cal.input_ids, cal.info
+            ids, calib_info = cal.input_ids, dict(cal.info)
+            if calib_dtype != "float32":
+                calib_info["forward_dtype"] = calib_dtype
         else:
             con.print(f"{', '.join(c.method for c in rec.stages)}: data-free, no calibration data "
                       "(--measure-error measures per-layer errors on calibration windows)")
         with warnings.catch_warnings():      # printed below, with the other notes
             warnings.simplefilter("ignore", FallbackWarning)
-            res = compress(m, rec, ids, device=device)
+            import torch
+
+            res = compress(m, rec, ids, device=device, forward_dtype=getattr(torch, calib_dtype))
         res.calibration = calib_info
         if res.quantized and fmt == "dense":
             con.print("note: --format dense stores dequantized floats; integer codes are not kept")

@@ -252,8 +252,10 @@ class StudyRunner:
                        on_block=lambda done, n: self.status(label, f"compress {done}/{n}"),
                        forward_dtype=getattr(torch, self.config.calib_dtype))
         summ = res.summary()
-        out.record = dict(spec=pc.spec.to_dict(), seconds=summ.get("seconds"),
-                          calibration=dict(st.calib_info, forward_dtype=self.config.calib_dtype),
+        calib_info = dict(st.calib_info)
+        if self.config.calib_dtype != "float32":
+            calib_info["forward_dtype"] = self.config.calib_dtype
+        out.record = dict(spec=pc.spec.to_dict(), seconds=summ.get("seconds"), calibration=calib_info,
                           avg_bits_per_weight=summ.get("avg_bits_per_weight"), fallbacks=list(res.fallbacks),
                           mean_layer_error=summ.get("mean_layer_error"))
         self.cache.save_model(pc.cell_key, model, st.state, out.record)
