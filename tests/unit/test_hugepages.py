@@ -97,20 +97,36 @@ def _vm_rss() -> int:
 
 
 @needs_collapse
-def test_zero_page_reads_are_not_collapsed():
+def test_zero_page_reads_are_not_collapsed(monkeypatch):
     """Pages only read map the shared zero page: resident to mincore, free in RSS.
     Collapsing them allocated real memory (64 MiB read, 1 page in 64 written: RSS +63
-    MiB)."""
+    MiB). Checked on the calls ``collapse_resident`` makes: no ``madvise`` on the
+    mapping, although mincore calls every stretch of it resident. The mapping's own
+    AnonHugePages is not asserted: on a host whose kernel backs hot regions with huge
+    pages by itself (khugepaged, DAMON), it failed in a full test run (6,144 KiB) and
+    passed alone."""
+    real = hugepages._libc()
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def madvise(self, addr, length, advice):
+            calls.append(addr.value if isinstance(addr, ctypes.c_void_p) else addr)
+            return real.madvise(addr, length, advice)
+
+    monkeypatch.setattr(hugepages, "_libc", lambda: Spy())
     n = 16 * HP
     m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf = np.frombuffer(m, np.uint8)
     assert int(buf.sum()) == 0                 # read everything: zero-page mappings
     buf[::64 * 4096] = 1                       # write one page in 64
     addr = buf.ctypes.data
-    rss = _vm_rss()
+    mine = [a for a in hugepages.resident_stretches() if addr <= a < addr + n]
+    assert len(mine) >= 15                     # resident to mincore (16 when 2 MiB-aligned)
     hugepages.collapse_resident()
-    assert _anon_huge_kib(addr, addr + n) == 0
-    assert _vm_rss() - rss < 4 * HP
+    assert [a for a in calls if a is not None and addr <= a < addr + n] == []
     del buf
     m.close()
 
