@@ -353,8 +353,8 @@ def compress(model: nn.Module, recipe, calib_ids: Optional[torch.Tensor] = None,
             run without ``measure_errors`` makes no forward pass, so it is not checked.
         on_block: called with ``(blocks done, blocks)`` after each block (a caller's own
             progress display, e.g. the study's grid bar).
-        forward_dtype: dtype of the calibration forward passes (``torch.bfloat16`` or
-            ``torch.float16`` on a float32 model: a shadow copy of each block in that dtype
+        forward_dtype: dtype of the calibration forward passes, or its name
+            (``torch.bfloat16`` / ``"bfloat16"`` or float16 on a float32 model: a shadow copy of each block in that dtype
             computes the activations the statistics are taken from; the weights and the
             methods stay in the model's dtype). None: the model's dtype.
 

@@ -93,9 +93,7 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
                       "(--measure-error measures per-layer errors on calibration windows)")
         with warnings.catch_warnings():      # printed below, with the other notes
             warnings.simplefilter("ignore", FallbackWarning)
-            import torch
-
-            res = compress(m, rec, ids, device=device, forward_dtype=getattr(torch, calib_dtype))
+            res = compress(m, rec, ids, device=device, forward_dtype=calib_dtype)
         res.calibration = calib_info
         if res.quantized and fmt == "dense":
             con.print("note: --format dense stores dequantized floats; integer codes are not kept")

@@ -53,15 +53,13 @@ def _gather(first: torch.Tensor, rest: Optional[torch.Tensor], cont: list[int]) 
 PACK_TOKENS = 256
 
 
-def _packable(model) -> bool:
+def _packable(model, params) -> bool:
     """Whether ``model`` can score several groups in one row: an attention that takes a
     custom additive 4D mask (``sdpa``, ``eager``), a forward that takes ``position_ids``
     and an index tensor as ``logits_to_keep``, and no hook on the whole model (such a
-    hook may act per batch row, e.g. IG-Pruning's router, and a packed row mixes groups)."""
-    import inspect
-
+    hook may act per batch row, e.g. IG-Pruning's router, and a packed row mixes groups).
+    ``params``: the parameters of ``model.forward``."""
     impl = getattr(model.config, "_attn_implementation", None)
-    params = inspect.signature(model.forward).parameters
     return (impl in ("sdpa", "eager") and "position_ids" in params and "logits_to_keep" in params
             and not model._forward_pre_hooks and not model._forward_hooks)
 
@@ -98,7 +96,7 @@ class TorchBackend:
         # transformers 5.24 names the KV cache ``cache`` (``past_key_values`` before)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.pack_tokens = int(pack_tokens) if pack_tokens and _packable(model) else 0
+        self.pack_tokens = int(pack_tokens) if pack_tokens and _packable(model, params) else 0
         types = getattr(cfg, "layer_types", None) or []
         window = getattr(cfg, "sliding_window", None)
         self._window = int(window) if window and "sliding_attention" in types else None

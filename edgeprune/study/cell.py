@@ -250,7 +250,7 @@ class StudyRunner:
         label = pc.spec.label
         res = compress(model, recipe, st.calib, device=self.config.device, progress=False,
                        on_block=lambda done, n: self.status(label, f"compress {done}/{n}"),
-                       forward_dtype=getattr(torch, self.config.calib_dtype))
+                       forward_dtype=self.config.calib_dtype)
         summ = res.summary()
         calib_info = dict(st.calib_info)
         if self.config.calib_dtype != "float32":
