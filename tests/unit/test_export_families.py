@@ -20,27 +20,16 @@ from edgeprune_exporters import BUILDERS, BuildOptions, DecoderSpec
 from edgeprune_runtime.errors import ExportError, UnsupportedArchitectureError
 from edgeprune_runtime.kv_cache import ConcatKVCache, KVSpec, RingKVCache
 
-from tiny import byte_tokenizer, rand_ids, tiny_model
+from tiny import byte_tokenizer, rand_ids
+from tiny import tiny_gemma3 as tiny_gemma3_model
 
 WINDOW = 8
 
 
 def gemma3(**kw):
-    """The tiny Gemma 3 (module docstring); ``kw`` overrides the config."""
-    from transformers import Gemma3TextConfig
-    cfg = dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=16, sliding_window=WINDOW,
-               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-               rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
-               query_pre_attn_scalar=24, tie_word_embeddings=True, pad_token_id=0,
-               bos_token_id=1, eos_token_id=255)
-    cfg.update(kw)
-    m = tiny_model(Gemma3TextConfig, **cfg)
-    with torch.no_grad():                       # (1 + w) norms with w != 0
-        for p in m.parameters():
-            if p.dim() == 1:
-                p.normal_(0, 0.3)
-    return m
+    """The tiny Gemma 3 (module docstring; ``tiny.tiny_gemma3`` at a window of 8);
+    ``kw`` overrides the config."""
+    return tiny_gemma3_model(**{"sliding_window": WINDOW, "bos_token_id": 1, "eos_token_id": 255, **kw})
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,15 @@ import torch
 from edgeprune.errors import UnsupportedArchitectureError
 from edgeprune.models import (ALIASES, FAMILIES, SUPPORTED_ARCHITECTURES, check_architecture,
                               check_gguf_architecture, decoder_layers, describe, load_model)
-from tiny import byte_tokenizer, tiny_model
+from tiny import byte_tokenizer
+from tiny import tiny_gemma3 as tiny_gemma3_model
 
 
 @pytest.fixture
 def tiny_gemma3():
     """A 2-layer gemma3_text (head_dim 16 != hidden / heads, a sliding layer then a full one)."""
-    from transformers import Gemma3TextConfig
-
-    return tiny_model(Gemma3TextConfig, head_dim=16, sliding_window=8, tie_word_embeddings=True,
-                      layer_types=["sliding_attention", "full_attention"])
+    return tiny_gemma3_model(num_hidden_layers=2, num_key_value_heads=2, sliding_window=8,
+                             layer_types=["sliding_attention", "full_attention"])
 
 
 def test_the_three_families():
