@@ -177,3 +177,20 @@ def test_shipped_presets_parse():
     assert {"best-w4", "best-w4-clip", "best-w4-refit", "best-w4-signround", "best-50", "best-2-4"} <= set(names)
     for n in names:
         Recipe.from_file(resolve_recipe(n)).validate()
+
+
+def test_error_corrected_warm_target_is_the_weight_when_the_inputs_agree():
+    """The warm start's target is ``W + (B - W G) (G + delta I)^-1``: a layer whose input
+    no pruned predecessor changed (``B = W G``: a block's q/k/v) starts SparseGPT from ``W``
+    itself. The damped solve ``B (G + delta I)^-1`` would shrink ``W`` along ``G``'s weak
+    directions (a different pattern here, checked)."""
+    from edgeprune.methods.base import LayerTask
+    from edgeprune.methods.fista import FISTA
+    from edgeprune.methods.sparsegpt import sparsegpt_prune
+
+    W, _, G = _layer(n=48)                      # n < in: G is singular, damping matters
+    task = LayerTask(name="l", module=torch.nn.Linear(64, 24, bias=False), weight=W, mask=None, stats=None)
+    warm, keep = FISTA(FISTAConfig(sparsity=0.5))._warm(task, G, W @ G)
+    ref_w, ref_keep = sparsegpt_prune(W, G, sparsity=0.5, percdamp=0.01, name="l")[:2]
+    assert torch.equal(keep, ref_keep)
+    torch.testing.assert_close(warm, ref_w, rtol=1e-4, atol=1e-5)
