@@ -30,8 +30,11 @@ New methods and their peers (issue 28):
 * ``signround_w4g64``: our SignRound (``edgeprune.methods.signround``, the "fast" schedule:
   50 steps, lr 5e-3, 4 windows per step, :data:`SIGNROUND`) vs Intel's AutoRound
   (``auto-round`` from PyPI in ``.venv-autoround``, ``benchlib.PEER_VENVS["autoround"]``,
-  ``bench/_autoround_worker.py``) with the same windows, grid, steps, step size and windows
-  per step; and vs our ``gptq_w4g64``.
+  ``bench/_autoround_worker.py``) with the same windows, steps, step size and windows per
+  step; and vs our ``gptq_w4g64``. Our default symmetric grid is ``2 max|w| / 15`` around
+  code 8; AutoRound's ``int_sym`` is the full-range one (a signed scale, ``max|w| / 8``):
+  ``signround_w4g64_fullrange`` runs ours on that grid (``full_range=True``), the
+  like-for-like pair.
 * ``fista_50`` / ``fista_2:4``: FISTAPruner (``edgeprune.methods.fista``) vs llm-compressor's
   SparseGPT (the ``sparsegpt`` / ``sparsegpt24`` peer runs) and vs our ``sparsegpt_*`` and
   ``wanda_*``.
@@ -117,6 +120,8 @@ def cases(group_size: int = 64):
         # SignRound (ours) vs AutoRound (auto-round from PyPI): same windows, grid, steps,
         # step size and windows per step (SIGNROUND below)
         (f"signround_w4g{g}", lambda: SignRoundConfig(bits=4, group_size=g, sym=True, **SIGNROUND), AUTOROUND),
+        (f"signround_w4g{g}_fullrange", lambda: SignRoundConfig(bits=4, group_size=g, sym=True, full_range=True,
+                                                                **SIGNROUND), AUTOROUND),
         ("fista_50", lambda: FISTAConfig(sparsity=0.5), "sparsegpt"),
         ("fista_2:4", lambda: FISTAConfig(prune_n=2, prune_m=4), "sparsegpt24"),
         # every shipped preset (edgeprune/recipes/*.yaml), by its name
@@ -224,7 +229,7 @@ def _peer_run(method: str, model_dir: Path, calib_path: Path, key: str, nwindows
 
 
 #: (new method's case, our baseline's case, the issue's bound on the perplexity ratio or None)
-VS_OURS = [("signround_w4g64", "gptq_w4g64", 0.97), ("fista_50", "sparsegpt_50", 0.95), ("fista_50", "wanda_50", None),
+VS_OURS = [("signround_w4g64", "gptq_w4g64", 0.97), ("signround_w4g64_fullrange", "gptq_w4g64", 0.97), ("fista_50", "sparsegpt_50", 0.95), ("fista_50", "wanda_50", None),
            ("fista_2:4", "sparsegpt_2:4", 0.95), ("fista_2:4", "wanda_2:4", None)]
 
 

@@ -88,6 +88,11 @@ DOC_TABLES = {
                                                                 "compress_s:theirs")),
     **{stem: ("docs/signround-fista.md", ("ppl", "bits_per_weight", "compress_s"))
        for stem in ("compare_methods_presets", "compare_methods_presets_calib128")},
+    # issue 28: FISTAPruner vs SparseGPT and Wanda (50 % and 2:4, one thread each); SignRound vs AutoRound
+    **{stem: ("docs/signround-fista.md", ("ppl", "compress_s"))
+       for stem in ("compare_methods_fista50", "compare_methods_fista24")},
+    **{stem: ("docs/signround-fista.md", ("ppl", "ppl:theirs", "compress_s", "compress_s:theirs"))
+       for stem in ("compare_methods_autoround", "compare_methods_autoround_fullrange")},
     # the AVX-512 host of 2026-12-05: every family vs llama.cpp and onnxruntime-genai (issue 22)
     **{stem: ("docs/models.md", ("decode_tok_s", "decode_tok_s:theirs", "decode_ratio_paired",
                                  "ttft_ms", "ttft_ms:theirs", "peak_rss_mib", "peak_rss_mib:theirs"))

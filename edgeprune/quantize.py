@@ -81,13 +81,14 @@ def round_scale(scale: torch.Tensor) -> torch.Tensor:
     to 0) stays as it is, so an export stores that layer's scales in 32 bits instead.
 
     Args:
-        scale: float tensor of any shape (positive scales).
+        scale: float tensor of any shape (nonzero scales; a negative scale, as in the
+            full-range symmetric grid, rounds like its magnitude).
 
     Returns:
         A tensor of ``scale``'s shape and dtype. Differentiable (the cast's gradient).
     """
     h = scale.to(torch.float16).to(scale.dtype)
-    return torch.where(torch.isfinite(h) & (h > 0), h, scale)
+    return torch.where(torch.isfinite(h) & (h != 0), h, scale)
 
 
 def qparams(w: torch.Tensor, bits: int, sym: bool, clip: float | torch.Tensor = 1.0

@@ -9,7 +9,12 @@ learned; the group's grid and codes are (Eq. 1-3 of the paper, asymmetric case):
     z = round(-alpha * min(w) / s)
     q = clamp(round(w / s + V) + z, 0, 2^bits - 1),    w_hat = (q - z) * s
 
-(symmetric: ``s = 2 max(-alpha min(w), beta max(w)) / (2^bits - 1)``, ``z = 2^(bits-1)``).
+(symmetric: ``s = 2 max(-alpha min(w), beta max(w)) / (2^bits - 1)``, ``z = 2^(bits-1)``;
+symmetric with ``full_range``, the grid of AutoRound's ``int_sym`` and llama.cpp's Q4_0:
+``s = -beta max(w) / 2^(bits-1)`` when ``beta max(w) > -alpha min(w)``, else
+``-alpha min(w) / 2^(bits-1)``, ``z = 2^(bits-1)``: the scale carries the sign that puts the
+group's largest magnitude on code 0, so all ``2^bits`` codes are used, a step of
+``max|w| / 2^(bits-1)`` instead of ``2 max|w| / (2^bits - 1)``).
 ``V`` starts at 0 and ``alpha = beta = 1``, which is exactly round-to-nearest
 (:func:`edgeprune.quantize.rtn_quantize`). The block is then tuned on its own output
 (Eq. 4)::
@@ -44,7 +49,9 @@ windows for the targets, then 50 forward+backward passes over 4 windows (2,048 t
 512 per window); for SmolLM2-135M (30 blocks) about 1,500 block passes, a few times GPTQ's
 time (``bench/compare_methods.py --cases gptq_w4g64,signround_w4g64`` prints both).
 Measured there (32 x 512 C4 windows, WikiText-2 40 x 512, W4 g64 symmetric): perplexity
-34.11 vs GPTQ's 39.83 (dense 28.74).
+34.11 vs GPTQ's 39.83 (dense 28.74). Against AutoRound 0.16.1 at the same schedule and windows
+(``--cases signround_w4g64,signround_w4g64_fullrange``, 2 threads): 33.91 on the default grid
+and 32.64 with ``full_range`` (AutoRound's own grid) vs AutoRound's 33.15, in 413 / 398 s vs 402 s.
 """
 
 from __future__ import annotations
@@ -78,7 +85,9 @@ class SignRoundConfig(QuantOptions):
     reference output comes from the unquantized stream (AutoRound's default). ``amp``: the
     tuning steps' matrix products in bfloat16 (autocast; about 2x faster on a CPU with
     AVX512-BF16, as AutoRound's default ``amp``); the targets and the final codes stay float32.
-    ``seed``: the draw of the windows per step.
+    ``full_range`` (with ``sym``): the signed-scale symmetric grid above (AutoRound's
+    ``int_sym``); the scales it exports may be negative. ``seed``: the draw of the windows
+    per step.
     """
 
     schedule: str = "fast"
@@ -89,6 +98,7 @@ class SignRoundConfig(QuantOptions):
     minmax_tuning: bool = True
     fp_targets: bool = True
     amp: bool = True
+    full_range: bool = False
     seed: int = 0
     method = "signround"
 
@@ -108,6 +118,9 @@ class SignRoundConfig(QuantOptions):
                                   f"use e.g. {attr}=0.005, or leave it unset (1/iters)")
         if self.batch_size is not None and self.batch_size < 1:
             raise ConfigError(f"signround batch_size={self.batch_size} must be >= 1", "use e.g. 4")
+        if self.full_range and not self.sym:
+            raise ConfigError("signround full_range applies to the symmetric grid only",
+                              "set sym: true with full_range: true, or drop full_range")
 
     def resolved(self) -> tuple[int, float, float, int]:
         """``(iters, lr, minmax_lr, batch_size)`` after the schedule's defaults."""
@@ -125,13 +138,14 @@ def _round_ste(x: torch.Tensor) -> torch.Tensor:
 
 
 def signround_grid(wmin: torch.Tensor, wmax: torch.Tensor, alpha, beta, bits: int, sym: bool,
-                   ste: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   ste: bool = False, full_range: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The scale and integer zero point of each group with clipping factors ``alpha, beta``.
 
     Args:
         wmin, wmax: ``[groups, 1]`` ``min(min(w), 0)`` and ``max(max(w), 0)`` of each group.
         alpha, beta: ``[groups, 1]`` (or scalars) clipping factors of the min and the max.
         ste: round the zero point with a straight-through gradient (tuning).
+        full_range: with ``sym``, the signed-scale grid (module docstring).
 
     Returns:
         ``(scale [groups, 1], zero [groups, 1])``. With ``alpha = beta = 1`` these are
@@ -139,6 +153,12 @@ def signround_grid(wmin: torch.Tensor, wmax: torch.Tensor, alpha, beta, bits: in
         whose range is 0 gets scale 1.
     """
     maxq = 2 ** bits - 1
+    if sym and full_range:
+        lo, hi = -wmin * alpha, wmax * beta
+        scale = round_scale(torch.where(hi > lo, -hi, lo) / 2 ** (bits - 1))
+        zero = torch.full_like(scale, float(2 ** (bits - 1)))
+        bad = (scale == 0) | ~torch.isfinite(scale)
+        return torch.where(bad, torch.ones_like(scale), scale), zero
     if sym:
         scale = round_scale(torch.maximum(-wmin * alpha, wmax * beta) * 2 / maxq)
         zero = torch.full_like(scale, float(2 ** (bits - 1)))
@@ -157,9 +177,10 @@ class _Layer:
     """One target linear's tuning state: its weight in groups ``[out * G, gs]``, the fixed
     group ranges, and the learnable ``V [out * G, gs]``, ``alpha``, ``beta [out * G, 1]``."""
 
-    def __init__(self, task: LayerTask, key: str, bits: int, group_size: int, sym: bool, minmax: bool):
+    def __init__(self, task: LayerTask, key: str, bits: int, group_size: int, sym: bool, minmax: bool,
+                 full_range: bool = False):
         out, inp = task.weight.shape
-        self.task, self.key, self.bits, self.sym = task, key, bits, sym
+        self.task, self.key, self.bits, self.sym, self.full_range = task, key, bits, sym, full_range
         self.gs = check_quant_args(bits, group_size, inp, name=task.name)
         w = task.weight.float()
         self.mask = None if task.mask is None else task.mask.to(w.device, torch.bool)
@@ -180,7 +201,8 @@ class _Layer:
     def fake_quant(self) -> torch.Tensor:
         """Differentiable ``W_hat [out, in]`` from the current ``V, alpha, beta``."""
         maxq = 2 ** self.bits - 1
-        s, z = signround_grid(self.wmin, self.wmax, self.alpha, self.beta, self.bits, self.sym, ste=True)
+        s, z = signround_grid(self.wmin, self.wmax, self.alpha, self.beta, self.bits, self.sym, ste=True,
+                              full_range=self.full_range)
         q = torch.clamp(_round_ste(self.wg / s + self.v) + z, 0, maxq)
         w = ((q - z) * s).reshape(self.shape)
         return w if self.mask is None else w * self.mask
@@ -188,7 +210,7 @@ class _Layer:
     def quantized(self, v, alpha, beta) -> QuantizedWeight:
         """The integer form for offsets/factors ``v, alpha, beta`` (plain rounding)."""
         out, inp = self.shape
-        s, z = signround_grid(self.wmin, self.wmax, alpha, beta, self.bits, self.sym)
+        s, z = signround_grid(self.wmin, self.wmax, alpha, beta, self.bits, self.sym, full_range=self.full_range)
         codes = torch.round(self.wg / s + v).add_(z).clamp_(0, 2 ** self.bits - 1).reshape(out, inp)
         zeros = z.reshape(out, -1)
         if self.mask is not None:  # a pruned weight takes its group's zero point: exactly 0
@@ -253,7 +275,8 @@ class SignRound(Method):
         c = self.config
         iters, lr, minmax_lr, bs = c.resolved()
         rel = {id(m): n for n, m in block.named_modules()}
-        layers = [_Layer(t, rel[id(t.module)] + ".weight", c.bits, c.group_size, c.sym, c.minmax_tuning)
+        layers = [_Layer(t, rel[id(t.module)] + ".weight", c.bits, c.group_size, c.sym, c.minmax_tuning,
+                         c.full_range)
                   for t in tasks]
         best = [(ly.v.detach().clone(), ly.alpha.detach().clone(), ly.beta.detach().clone()) for ly in layers]
         notes = []

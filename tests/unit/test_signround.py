@@ -123,6 +123,43 @@ def test_packed_int4_export_matches_the_fake_quant_model(tiny_llama, tmp_path):
         np.testing.assert_allclose(s.logits(ids), ref, atol=1e-4)
 
 
+def test_full_range_grid_puts_the_largest_magnitude_on_code_zero():
+    """AutoRound's ``int_sym`` / Q4_0 grid: a step of max|w| / 8, the scale's sign chosen so
+    the largest magnitude is code 0 and dequantizes to itself (fp16 scale rounding aside)."""
+    from edgeprune.methods.signround import _Layer
+    from edgeprune.methods.base import LayerTask
+
+    w = torch.tensor([[0.1, -0.8, 0.3, 0.04], [0.6, -0.2, 0.0, 0.1]])
+    t = LayerTask(name="l", module=torch.nn.Linear(4, 2, bias=False), weight=w, mask=None, stats=None)
+    q = _Layer(t, "l.weight", 4, 4, True, False, full_range=True).quantized(0.0, 1.0, 1.0)
+    assert q.scales[:, 0].tolist() == pytest.approx([0.1, -0.075], rel=1e-3)
+    assert q.codes.tolist() == [[9, 0, 11, 8], [0, 11, 8, 7]] and q.zeros.flatten().tolist() == [8, 8]
+    torch.testing.assert_close(q.dequantize()[:, :2], torch.tensor([[0.1, -0.8], [0.6, -0.225]]), rtol=1e-3,
+                               atol=1e-4)
+    half = _Layer(t, "l.weight", 4, 4, True, False).quantized(0.0, 1.0, 1.0)
+    err = lambda qw: float((qw.dequantize() - w).abs().max())   # noqa: E731
+    assert err(q) < err(half)
+    with pytest.raises(ConfigError, match="full_range applies to the symmetric grid only"):
+        SignRoundConfig.from_options(full_range=True, sym=False)
+
+
+def test_full_range_int4_export_matches_the_fake_quant_model(tiny_llama, tmp_path):
+    """Negative scales survive packing: the int4 export equals the fake-quant model."""
+    import edgeprune_exporters as exporters
+    import edgeprune_runtime as runtime
+
+    res = compress(tiny_llama, SignRoundConfig(bits=4, group_size=32, sym=True, full_range=True, iters=10,
+                                               batch_size=4), _calib(), progress=False)
+    assert any(float(q.scales.min()) < 0 for q in res.quantized.values())
+    ids = rand_ids(40, seed=12)
+    with torch.no_grad():
+        ref = tiny_llama(torch.from_numpy(ids)).logits.float().numpy()
+    exporters.export_onnx(tiny_llama, byte_tokenizer(), tmp_path / "m", precision="int4",
+                          quantized=res.quantized, accuracy_level=0, lm_head="fp", max_length=128, overwrite=True)
+    with runtime.load(tmp_path / "m") as s:
+        np.testing.assert_allclose(s.logits(ids), ref, atol=1e-4)
+
+
 def test_after_sparsegpt_24_a_pruned_weight_stays_zero(tiny_llama):
     res = compress(tiny_llama, [SparseGPTConfig(prune_n=2, prune_m=4),
                                 SignRoundConfig(bits=4, group_size=32, iters=10, batch_size=4)], _calib(),
