@@ -485,8 +485,8 @@ def compress(model: nn.Module, recipe, calib_ids: Optional[torch.Tensor] = None,
 
 
 def _compress_group(block, modules, names, cfg, meth, recipe, si, batches, result, ref,
-                    measure_errors, error_tokens, device, in_call_order: bool = False,
-                    fwd=None, fwd_modules=None, model_dtype=None) -> dict:
+                    measure_errors, error_tokens, device, *, in_call_order: bool, fwd, fwd_modules,
+                    model_dtype) -> dict:
     """Gather statistics for ``names`` in one pass of ``fwd`` (``block`` itself, or its
     shadow in the forward dtype, whose linears are ``fwd_modules``), compress them, write
     back into ``block``.
@@ -495,8 +495,6 @@ def _compress_group(block, modules, names, cfg, meth, recipe, si, batches, resul
     so the statistics pass can stop after the last one from the first batch on.
     Returns ``{name: InputStats}`` of the statistics each layer's error is measured on.
     """
-    fwd = block if fwd is None else fwd
-    fwd_modules = modules if fwd_modules is None else fwd_modules
     final_stats = {}
     if meth.data_free and not measure_errors:
         stats = {n: InputStats.empty(modules[n].in_features, False, device) for n in names}
