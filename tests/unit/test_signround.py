@@ -108,12 +108,16 @@ def test_learned_offsets_and_clipping_stay_in_bounds(tiny_llama):
         assert float(v.abs().max()) <= 0.5 and float(a.min()) >= 0 and float(b.max()) <= 1
 
 
-def test_packed_int4_export_matches_the_fake_quant_model(tiny_llama, tmp_path):
+@pytest.mark.parametrize("grid", [{}, {"sym": True, "full_range": True}], ids=["asym", "full-range"])
+def test_packed_int4_export_matches_the_fake_quant_model(tiny_llama, tmp_path, grid):
+    """Also with the full-range grid's negative scales, which must survive packing."""
     import edgeprune_exporters as exporters
     import edgeprune_runtime as runtime
 
-    res = compress(tiny_llama, SignRoundConfig(bits=4, group_size=32, iters=20, batch_size=4), _calib(),
+    res = compress(tiny_llama, SignRoundConfig(bits=4, group_size=32, iters=20, batch_size=4, **grid), _calib(),
                    progress=False)
+    if grid:
+        assert any(float(q.scales.min()) < 0 for q in res.quantized.values())
     ids = rand_ids(40, seed=11)
     with torch.no_grad():
         ref = tiny_llama(torch.from_numpy(ids)).logits.float().numpy()
@@ -141,23 +145,6 @@ def test_full_range_grid_puts_the_largest_magnitude_on_code_zero():
     assert err(q) < err(half)
     with pytest.raises(ConfigError, match="full_range applies to the symmetric grid only"):
         SignRoundConfig.from_options(full_range=True, sym=False)
-
-
-def test_full_range_int4_export_matches_the_fake_quant_model(tiny_llama, tmp_path):
-    """Negative scales survive packing: the int4 export equals the fake-quant model."""
-    import edgeprune_exporters as exporters
-    import edgeprune_runtime as runtime
-
-    res = compress(tiny_llama, SignRoundConfig(bits=4, group_size=32, sym=True, full_range=True, iters=10,
-                                               batch_size=4), _calib(), progress=False)
-    assert any(float(q.scales.min()) < 0 for q in res.quantized.values())
-    ids = rand_ids(40, seed=12)
-    with torch.no_grad():
-        ref = tiny_llama(torch.from_numpy(ids)).logits.float().numpy()
-    exporters.export_onnx(tiny_llama, byte_tokenizer(), tmp_path / "m", precision="int4",
-                          quantized=res.quantized, accuracy_level=0, lm_head="fp", max_length=128, overwrite=True)
-    with runtime.load(tmp_path / "m") as s:
-        np.testing.assert_allclose(s.logits(ids), ref, atol=1e-4)
 
 
 def test_after_sparsegpt_24_a_pruned_weight_stays_zero(tiny_llama):
