@@ -157,9 +157,7 @@ def signround_grid(wmin: torch.Tensor, wmax: torch.Tensor, alpha, beta, bits: in
         lo, hi = -wmin * alpha, wmax * beta
         scale = round_scale(torch.where(hi > lo, -hi, lo) / 2 ** (bits - 1))
         zero = torch.full_like(scale, float(2 ** (bits - 1)))
-        bad = (scale == 0) | ~torch.isfinite(scale)
-        return torch.where(bad, torch.ones_like(scale), scale), zero
-    if sym:
+    elif sym:
         scale = round_scale(torch.maximum(-wmin * alpha, wmax * beta) * 2 / maxq)
         zero = torch.full_like(scale, float(2 ** (bits - 1)))
     else:
@@ -167,7 +165,7 @@ def signround_grid(wmin: torch.Tensor, wmax: torch.Tensor, alpha, beta, bits: in
         scale = round_scale((wmax * beta - xmin) / maxq)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         zero = (_round_ste if ste else torch.round)(-xmin / safe)
-    bad = ~(scale > 0) | ~torch.isfinite(scale)
+    bad = (scale == 0) | ~torch.isfinite(scale)   # alpha, beta in [0, 1]: only full range gives scale < 0
     scale = torch.where(bad, torch.ones_like(scale), scale)
     zero = torch.where(bad, torch.full_like(zero, float(2 ** (bits - 1)) if sym else 0.0), zero)
     return scale, zero.clamp(0, maxq)
