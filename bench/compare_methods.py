@@ -229,19 +229,21 @@ def _peer_run(method: str, model_dir: Path, calib_path: Path, key: str, nwindows
 
 
 #: (new method's case, our baseline's case, the issue's bound on the perplexity ratio or None)
-VS_OURS = [("signround_w4g64", "gptq_w4g64", 0.97), ("signround_w4g64_fullrange", "gptq_w4g64", 0.97),
+VS_OURS = [("signround_w4g{g}", "gptq_w4g{g}", 0.97), ("signround_w4g{g}_fullrange", "gptq_w4g{g}", 0.97),
            ("fista_50", "sparsegpt_50", 0.95), ("fista_50", "wanda_50", None),
            ("fista_2:4", "sparsegpt_2:4", 0.95), ("fista_2:4", "wanda_2:4", None)]
 
 
-def _vs_ours(rows, records, console, Table, f) -> None:
+def _vs_ours(rows, records, console, Table, f, prefix: str = "", group_size: int = 64) -> None:
     """SignRound vs our GPTQ, FISTAPruner vs our SparseGPT / Wanda (same run, same
-    calibration): one record per pair whose both cases ran (``peer`` = ``"edgeprune <case>"``)."""
+    calibration): one record per pair whose both cases ran (``peer`` = ``"edgeprune <case>"``;
+    case names carry the model's ``prefix`` and the run's ``group_size``)."""
     got = {r[0]: r for r in rows}
     t = Table(title="new methods vs edgeprune's own (same calibration; perplexity ratio; seconds noisy)")
     for col in ("case", "vs", "ppl", "ppl vs", "ratio", "bound", "ok", "s", "s vs"):
         t.add_column(col)
     for new, base, bound in VS_OURS:
+        new, base = (prefix + c.format(g=group_size) for c in (new, base))
         if new not in got or base not in got or got[new][1] is None or got[base][1] is None:
             continue
         po, pb = got[new][1], got[base][1]
@@ -376,7 +378,7 @@ def main(argv=None) -> int:
         t.add_row(name, pn if pt is not None else "—", f(po), f(pt), f(pr, "{:.3f}"), f(so, "{:.1f}"),
                   f(st, "{:.1f}"), f(sr, "{:.2f}"), ok, (note or "")[:80])
     console.print(t)
-    _vs_ours(rows, records, console, Table, f)
+    _vs_ours(rows, records, console, Table, f, prefix, a.group_size)
     if a.json:
         benchlib.write_records(a.json, records)
     return 0

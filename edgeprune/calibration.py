@@ -475,6 +475,21 @@ def describe(info: dict) -> str:
     return line + (f" ({'; '.join(unused)})" if unused else "")
 
 
+def with_forward_dtype(info: dict, forward_dtype: str = "float32") -> dict:
+    """A copy of a calibration ``info`` that records the calibration forward passes' dtype
+    (``compress(..., forward_dtype=)``) when it is not ``"float32"``: float32 runs keep the
+    keys, cache entries and provenance they had before the option existed.
+
+    Args:
+        info: a :class:`CalibrationSet`'s ``info`` (or any dict describing the data).
+        forward_dtype: the dtype's name, e.g. ``"bfloat16"``.
+    """
+    out = dict(info)
+    if forward_dtype != "float32":
+        out["forward_dtype"] = forward_dtype
+    return out
+
+
 def get_calibration(tokenizer, source: str | Path | None = None, nsamples: int = 128,
                     seqlen: int = 512, seed: int = 0, **kwargs) -> torch.Tensor:
     """Shortcut for :func:`build_calibration` returning only ``int64 [nsamples, seqlen]``;

@@ -79,15 +79,13 @@ def compress_cmd(model, method, recipe, bits, group_size, sym, sparsity, pattern
             emb_dtype = ckpt.round_embeddings(m, embedding_dtype)
         ids, calib_info = None, {"source": None, "data_free": True}
         if use_data:
-            from ..calibration import build_calibration, describe
+            from ..calibration import build_calibration, describe, with_forward_dtype
 
             cal = build_calibration(tok, calib, nsamples=cfg.nsamples, seqlen=seqlen, seed=seed,
                                     model_max_length=getattr(m.config, "max_position_embeddings", None),
                                     model=m)
             con.print(describe(cal.info))
-            ids, calib_info = cal.input_ids, dict(cal.info)
-            if calib_dtype != "float32":
-                calib_info["forward_dtype"] = calib_dtype
+            ids, calib_info = cal.input_ids, with_forward_dtype(cal.info, calib_dtype)
         else:
             con.print(f"{', '.join(c.method for c in rec.stages)}: data-free, no calibration data "
                       "(--measure-error measures per-layer errors on calibration windows)")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ..calibration import with_forward_dtype
 from ..errors import ConfigError, EdgePruneError
 from .cache import STUDY_VERSION, Cache, key
 from .grid import CellSpec, StudyConfig, auto_group_size, linear_in_features
@@ -151,9 +152,8 @@ class StudyRunner:
         c = self.config
         cells = []
         text = self._text_digest(c.text)
-        calib = dict(source=self._calib_digest(c.calib), nsamples=c.nsamples, seqlen=c.seqlen, seed=c.seed)
-        if c.calib_dtype != "float32":                                  # float32 keys as before
-            calib["forward_dtype"] = c.calib_dtype
+        calib = with_forward_dtype(dict(source=self._calib_digest(c.calib), nsamples=c.nsamples,
+                                        seqlen=c.seqlen, seed=c.seed), c.calib_dtype)
         scored = {} if c.dtype == "float32" else dict(dtype=c.dtype)     # float32 keys as before
         tasks = {t: dict(task=t, limit=c.limit, num_fewshot=c.num_fewshot, data=self._task_data_digest(), **scored)
                  for t in c.tasks} if c.tasks else {}
@@ -252,9 +252,7 @@ class StudyRunner:
                        on_block=lambda done, n: self.status(label, f"compress {done}/{n}"),
                        forward_dtype=self.config.calib_dtype)
         summ = res.summary()
-        calib_info = dict(st.calib_info)
-        if self.config.calib_dtype != "float32":
-            calib_info["forward_dtype"] = self.config.calib_dtype
+        calib_info = with_forward_dtype(st.calib_info, self.config.calib_dtype)
         out.record = dict(spec=pc.spec.to_dict(), seconds=summ.get("seconds"), calibration=calib_info,
                           avg_bits_per_weight=summ.get("avg_bits_per_weight"), fallbacks=list(res.fallbacks),
                           mean_layer_error=summ.get("mean_layer_error"))

@@ -99,3 +99,13 @@ def test_the_mixed_share_source_seeds_three_windows_in_four(tiny_llama):
     for i in (1, 2, 3):
         seed = tok(seed_prompts()[i - 1], add_special_tokens=False)["input_ids"][:149]
         assert r.input_ids[i, :150].tolist() == [eos] + seed
+
+
+def test_with_forward_dtype_records_only_a_non_float32_forward_and_copies():
+    from edgeprune.calibration import with_forward_dtype
+
+    info = {"source": "c4", "nsamples": 8}
+    assert with_forward_dtype(info) == info and with_forward_dtype(info) is not info
+    b16 = with_forward_dtype(info, "bfloat16")
+    assert b16 == {"source": "c4", "nsamples": 8, "forward_dtype": "bfloat16"}
+    assert "forward_dtype" not in info          # the caller's dict is left as it was
