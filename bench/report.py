@@ -93,7 +93,7 @@ DOC_TABLES = {
        for stem in ("compare_methods_fista50", "compare_methods_fista24")},
     **{stem: ("docs/signround-fista.md", ("ppl", "ppl:theirs", "compress_s", "compress_s:theirs"))
        for stem in ("compare_methods_autoround", "compare_methods_autoround_fullrange",
-                    "compare_methods_gemma3-270m_autoround")},
+                    "compare_methods_gemma3-270m_autoround", "compare_methods_gemma3-270m_autoround_2threads")},
     # issue 28 on the other two models (one thread each)
     **{stem: ("docs/signround-fista.md", ("ppl", "bits_per_weight", "compress_s"))
        for stem in ("compare_methods_gemma3-270m", "compare_methods_qwen2.5-coder-0.5b_issue28")},
