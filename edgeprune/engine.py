@@ -496,7 +496,7 @@ def _compress_group(block, modules, names, cfg, meth, recipe, si, batches, resul
     Returns ``{name: InputStats}`` of the statistics each layer's error is measured on.
     """
     final_stats = {}
-    if meth.data_free and not measure_errors:
+    if (meth.data_free or not meth.needs_stats) and not measure_errors:   # no statistics pass
         stats = {n: InputStats.empty(modules[n].in_features, False, device) for n in names}
     else:
         stats = StatsCollector({n: fwd_modules[n] for n in names}, meth.needs_hessian, device,

@@ -177,7 +177,7 @@ class Method:
     A subclass is joined to its config class by
     :func:`~edgeprune.methods.registry.register_method` (which sets :attr:`name` and
     :attr:`config_class`), sets what it needs (:attr:`needs_hessian`, :attr:`data_free`,
-    :attr:`needs_block_inputs`), and implements
+    :attr:`needs_block_inputs`, :attr:`needs_stats`), and implements
     :meth:`compress_layer` (one layer), or :meth:`compress_group` (layers sharing one
     input, e.g. q/k/v), or :meth:`compress_block` for methods that rewrite several modules
     jointly (AWQ). What the method does to a layer (prunes, quantizes, may precede a
@@ -199,6 +199,10 @@ class Method:
     #: calibration inputs ``[[hidden [b, seqlen, hidden_size], kwargs, tokmask bool [b,
     #: seqlen]]]`` (the outputs of the already-compressed blocks before it; read-only).
     needs_block_inputs = False
+    #: False for methods that never read :attr:`LayerTask.stats` (SignRound and FISTAPruner
+    #: work from the block inputs): with ``measure_errors=False`` the engine then skips the
+    #: statistics pass, one forward of the block over every calibration window per stage.
+    needs_stats = True
 
     def __init__(self, config):
         self.config = config

@@ -351,6 +351,7 @@ class FISTA(Method):
     partly pruned block itself)."""
 
     needs_block_inputs = True
+    needs_stats = False
 
     def __init__(self, config):
         super().__init__(config)

@@ -71,6 +71,7 @@ from .registry import register_method
 
 #: schedule name -> (iters, lr (None: 1/iters), batch_size)
 SCHEDULES = {"fast": (50, 5e-3, 4), "thorough": (200, None, 8)}
+SAMPLERS = ("random", "cyclic")
 
 
 @dataclass
@@ -86,8 +87,9 @@ class SignRoundConfig(QuantOptions):
     tuning steps' matrix products in bfloat16 (autocast; about 2x faster on a CPU with
     AVX512-BF16, as AutoRound's default ``amp``); the targets and the final codes stay float32.
     ``full_range`` (with ``sym``): the signed-scale symmetric grid above (AutoRound's
-    ``int_sym``); the scales it exports may be negative. ``seed``: the draw of the windows
-    per step.
+    ``int_sym``); the scales it exports may be negative. ``sampler``: how each step's
+    windows are drawn, ``"random"`` (a batch and its rows at random) or ``"cyclic"`` (every
+    window equally often, as AutoRound). ``seed``: the draw of the windows per step.
     """
 
     schedule: str = "fast"
@@ -99,6 +101,7 @@ class SignRoundConfig(QuantOptions):
     fp_targets: bool = True
     amp: bool = True
     full_range: bool = False
+    sampler: str = "random"
     seed: int = 0
     method = "signround"
 
@@ -118,6 +121,9 @@ class SignRoundConfig(QuantOptions):
                                   f"use e.g. {attr}=0.005, or leave it unset (1/iters)")
         if self.batch_size is not None and self.batch_size < 1:
             raise ConfigError(f"signround batch_size={self.batch_size} must be >= 1", "use e.g. 4")
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(f"signround sampler={self.sampler!r} is unknown",
+                              f"use one of {', '.join(SAMPLERS)}")
         if self.full_range and not self.sym:
             raise ConfigError("signround full_range applies to the symmetric grid only",
                               "set sym: true with full_range: true, or drop full_range")
@@ -130,6 +136,68 @@ class SignRoundConfig(QuantOptions):
                                                   else 1.0 / max(iters, 1))
         return iters, lr, (self.minmax_lr if self.minmax_lr is not None else lr), \
             (bs if self.batch_size is None else self.batch_size)
+
+
+class _WindowSampler:
+    """The calibration windows of each step: ``(engine batch index, [rows])``.
+
+    ``"random"``: a batch and ``batch_size`` of its rows drawn at random every step.
+    ``"cyclic"``: the batches in a shuffled cycle and each batch's rows in a shuffled
+    cycle of its own, so every window is used equally often (as AutoRound's
+    ``IndexSampler``; a remainder smaller than ``batch_size`` is reshuffled away).
+    """
+
+    def __init__(self, sizes: list[int], batch_size: int, kind: str, generator: torch.Generator):
+        self.sizes, self.bs, self.kind, self.g = sizes, batch_size, kind, generator
+        self.order: list[int] = []
+        self.left: dict[int, list[int]] = {}
+
+    def next(self) -> tuple[int, list[int]]:
+        if self.kind == "random":
+            bi = int(torch.randint(len(self.sizes), (1,), generator=self.g))
+            n = self.sizes[bi]
+            return bi, torch.randperm(n, generator=self.g)[:min(self.bs, n)].tolist()
+        if not self.order:
+            self.order = torch.randperm(len(self.sizes), generator=self.g).tolist()
+        bi = self.order.pop(0)
+        k = min(self.bs, self.sizes[bi])
+        if len(self.left.get(bi, ())) < k:
+            self.left[bi] = torch.randperm(self.sizes[bi], generator=self.g).tolist()
+        rows, self.left[bi] = self.left[bi][:k], self.left[bi][k:]
+        return bi, rows
+
+
+class _FakeQuant(torch.autograd.Function):
+    """``w_hat = (clamp(round(w / s + V) + z, 0, maxq) - z) * s`` with the rounding's
+    gradient passed straight through and the clamp's gradient zero outside ``[0, maxq]``:
+    the same values and gradients as writing it out with :func:`_round_ste` and
+    ``torch.clamp``, in a third of the elementwise passes (the tuning loop runs it on
+    every weight of the block at every step).
+
+    Shapes: ``w, V [groups, gs]``; ``s, z [groups, 1]``; returns ``[groups, gs]``.
+    """
+
+    @staticmethod
+    def forward(ctx, w, v, s, z, maxq: int):
+        ws = torch.div(w, s)
+        t = (ws + v).round_().add_(z)
+        outside = (t < 0) | (t > maxq)
+        qz = t.clamp_(0, maxq).sub_(z)
+        ctx.save_for_backward(s, qz - ws.masked_fill_(outside, 0), outside)  # (q - z) - inside w / s
+        return qz * s
+
+    @staticmethod
+    def backward(ctx, g):
+        s, res, outside = ctx.saved_tensors
+        gs = gz = None
+        if ctx.needs_input_grad[2]:   # d w_hat / d s = (q - z) - inside w / s
+            gs = (g * res).sum(1, keepdim=True)
+        gv = g * s                    # d w_hat / d V = s inside
+        total = gv.sum(1, keepdim=True) if ctx.needs_input_grad[3] else None
+        gv.masked_fill_(outside, 0)
+        if total is not None:         # d w_hat / d z = -s (1 - inside)
+            gz = gv.sum(1, keepdim=True) - total
+        return None, gv, gs, gz, None
 
 
 def _round_ste(x: torch.Tensor) -> torch.Tensor:
@@ -201,8 +269,7 @@ class _Layer:
         maxq = 2 ** self.bits - 1
         s, z = signround_grid(self.wmin, self.wmax, self.alpha, self.beta, self.bits, self.sym, ste=True,
                               full_range=self.full_range)
-        q = torch.clamp(_round_ste(self.wg / s + self.v) + z, 0, maxq)
-        w = ((q - z) * s).reshape(self.shape)
+        w = _FakeQuant.apply(self.wg, self.v, s, z, maxq).reshape(self.shape)
         return w if self.mask is None else w * self.mask
 
     def quantized(self, v, alpha, beta) -> QuantizedWeight:
@@ -252,6 +319,7 @@ class SignRound(Method):
     """
 
     needs_block_inputs = True
+    needs_stats = False
 
     def __init__(self, config):
         super().__init__(config)
@@ -320,12 +388,13 @@ class SignRound(Method):
         groups = [(ly.v, lr, -0.5, 0.5) for ly in layers] + \
             [(p, minmax_lr, 0.0, 1.0) for ly in layers for p in ly.params()[1:]]
         best_loss, best, loss0 = float("inf"), None, None
+        sampler = _WindowSampler([b[0].shape[0] for b in inputs], bs, self.config.sampler, g)
         with torch.enable_grad():
             for step in range(iters):
-                bi = int(torch.randint(len(inputs), (1,), generator=g))
+                bi, picked = sampler.next()
                 hidden, kwargs, tokmask = inputs[bi]
                 n = hidden.shape[0]
-                rows = torch.randperm(n, generator=g)[:min(bs, n)].to(hidden.device)
+                rows = torch.tensor(picked, dtype=torch.long, device=hidden.device)
                 kw = {k: _take(v, rows, n) for k, v in kwargs.items()}
                 weights = {ly.key: ly.fake_quant() for ly in layers}
                 with torch.autocast(hidden.device.type, dtype=torch.bfloat16, enabled=self.config.amp):

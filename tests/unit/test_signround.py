@@ -187,9 +187,72 @@ def test_schedules():
     ({"schedule": "slow"}, "schedule='slow' is unknown"),
     ({"bits": 5}, "bits=5 is not supported"),
     ({"iters": "50"}, "must be an integer"),
+    ({"sampler": "stratified"}, "sampler='stratified' is unknown"),
 ])
 def test_bad_settings_are_refused(opts, match):
     with pytest.raises(ConfigError, match=match):
         SignRoundConfig.from_options(**opts)
     with pytest.raises(ConfigError, match=match):
         Recipe.from_dict({"stages": [{"method": "signround", **opts}]}).validate()
+
+
+def test_cyclic_sampler_uses_every_window_equally_often():
+    from edgeprune.methods.signround import _WindowSampler
+    s = _WindowSampler([8, 8, 8, 8], 4, "cyclic", torch.Generator().manual_seed(3))
+    seen = [(bi, r) for _ in range(24) for bi, rows in [s.next()] for r in rows]
+    counts = {}
+    for k in seen:
+        counts[k] = counts.get(k, 0) + 1
+    assert len(counts) == 32 and set(counts.values()) == {3}      # 24 steps x 4 = 3 uses of each of 32
+    r = _WindowSampler([8, 8, 8, 8], 4, "random", torch.Generator().manual_seed(3))
+    picks = [r.next() for _ in range(24)]
+    assert all(len(rows) == 4 == len(set(rows)) for _, rows in picks)
+    # a batch smaller than batch_size gives all its rows; a remainder below batch_size is reshuffled away
+    t = _WindowSampler([6, 2], 4, "cyclic", torch.Generator().manual_seed(0))
+    got = [t.next() for _ in range(4)]
+    assert sorted(len(rows) for _, rows in got) == [2, 2, 4, 4]
+    assert all(len(set(rows)) == len(rows) for _, rows in got)
+
+
+@pytest.mark.parametrize("make", [lambda: SignRoundConfig(bits=4, group_size=32, iters=2),
+                                  lambda: __import__("edgeprune.recipe", fromlist=["FISTAConfig"]).FISTAConfig(
+                                      sparsity=0.5)])
+def test_block_input_methods_run_no_statistics_pass(tiny_llama, monkeypatch, make):
+    from edgeprune import blocks
+    calls = []
+    orig = blocks.StatsCollector.run
+    monkeypatch.setattr(blocks.StatsCollector, "run", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
+    compress(copy.deepcopy(tiny_llama), make(), _calib(), progress=False, measure_errors=False)
+    assert calls == []
+    compress(copy.deepcopy(tiny_llama), make(), _calib(), progress=False, measure_errors=True)
+    assert calls                                  # the layer errors need the statistics
+
+
+@pytest.mark.parametrize("sym,full_range", [(False, False), (True, False), (True, True)])
+def test_fused_fake_quant_matches_the_written_out_ste_formula(sym, full_range):
+    """Values bit for bit; gradients (V, alpha, beta) against the written-out formula in
+    float64, at least as close as the written-out formula in float32 is."""
+    from edgeprune.methods.signround import _FakeQuant, _round_ste
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 32, generator=g, dtype=torch.float64) * torch.rand(96, 1, generator=g, dtype=torch.float64)
+    w[0, :4] = torch.tensor([3.0, -3.0, 2.5, -2.5], dtype=torch.float64)   # clamped codes in group 0
+    upstream = torch.randn(96, 32, generator=g, dtype=torch.float64)
+
+    def grads(fused, dtype):
+        ww = w.to(dtype)
+        wmin, wmax = ww.amin(1, keepdim=True).clamp(max=0), ww.amax(1, keepdim=True).clamp(min=0)
+        v = ((torch.rand(96, 32, generator=torch.Generator().manual_seed(1)) - 0.5)).to(dtype).requires_grad_()
+        a = (0.5 + 0.5 * torch.rand(96, 1, generator=torch.Generator().manual_seed(2))).to(dtype).requires_grad_()
+        b = (0.5 + 0.5 * torch.rand(96, 1, generator=torch.Generator().manual_seed(3))).to(dtype).requires_grad_()
+        s, z = signround_grid(wmin, wmax, a, b, 4, sym, ste=True, full_range=full_range)
+        out = _FakeQuant.apply(ww, v, s, z, 15) if fused else (torch.clamp(_round_ste(ww / s + v) + z, 0, 15) - z) * s
+        return (out, *torch.autograd.grad((out * upstream.to(dtype)).sum(), [v, a, b]))
+
+    exact, written, ours = grads(False, torch.float64), grads(False, torch.float32), grads(True, torch.float32)
+    assert torch.equal(ours[0], written[0])                       # the same fake-quant values
+    assert torch.equal(ours[1], written[1])                       # d/dV = s inside, exactly
+    assert int((ours[1] == 0).sum()) > 0                          # some codes were clamped
+    for e, wr, o in zip(exact[2:], written[2:], ours[2:]):
+        assert float(e.abs().sum()) > 0
+        err_ours, err_written = float((o.double() - e).abs().max()), float((wr.double() - e).abs().max())
+        assert err_ours <= max(err_written, 1e-6), (err_ours, err_written)
