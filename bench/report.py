@@ -93,10 +93,13 @@ DOC_TABLES = {
        for stem in ("compare_methods_fista50", "compare_methods_fista24")},
     **{stem: ("docs/signround-fista.md", ("ppl", "ppl:theirs", "compress_s", "compress_s:theirs"))
        for stem in ("compare_methods_autoround", "compare_methods_autoround_fullrange",
-                    "compare_methods_gemma3-270m_autoround", "compare_methods_gemma3-270m_autoround_2threads")},
+                    "compare_methods_gemma3-270m_autoround", "compare_methods_gemma3-270m_autoround_2threads",
+                    "compare_methods_gemma3-270m_autoround_2threads_fused",
+                    "compare_methods_qwen2.5-coder-0.5b_autoround", "compare_methods_gemma3-270m_llmcompressor")},
     # issue 28 on the other two models (one thread each)
     **{stem: ("docs/signround-fista.md", ("ppl", "bits_per_weight", "compress_s"))
-       for stem in ("compare_methods_gemma3-270m", "compare_methods_qwen2.5-coder-0.5b_issue28")},
+       for stem in ("compare_methods_gemma3-270m", "compare_methods_qwen2.5-coder-0.5b_issue28",
+                    "compare_methods_qwen2.5-coder-0.5b_2of4")},
     # the AVX-512 host of 2026-12-05: every family vs llama.cpp and onnxruntime-genai (issue 22)
     **{stem: ("docs/models.md", ("decode_tok_s", "decode_tok_s:theirs", "decode_ratio_paired",
                                  "ttft_ms", "ttft_ms:theirs", "peak_rss_mib", "peak_rss_mib:theirs"))

@@ -484,6 +484,16 @@ def compress(model: nn.Module, recipe, calib_ids: Optional[torch.Tensor] = None,
     return result
 
 
+def _first_tokens(batches, n: int) -> list:
+    """The shortest prefix of ``batches`` holding ``n`` real tokens (all of them if fewer)."""
+    seen = 0
+    for i, b in enumerate(batches):
+        seen += int(b[2].sum())
+        if seen >= n:
+            return batches[:i + 1]
+    return batches
+
+
 def _compress_group(block, modules, names, cfg, meth, recipe, si, batches, result, ref,
                     measure_errors, error_tokens, device, *, in_call_order: bool, fwd, fwd_modules,
                     model_dtype) -> dict:
@@ -498,10 +508,11 @@ def _compress_group(block, modules, names, cfg, meth, recipe, si, batches, resul
     final_stats = {}
     if (meth.data_free or not meth.needs_stats) and not measure_errors:   # no statistics pass
         stats = {n: InputStats.empty(modules[n].in_features, False, device) for n in names}
-    else:
+    else:                # a method that reads no statistics: only the error tokens' batches
+        feed = batches if meth.needs_stats else _first_tokens(batches, error_tokens)
         stats = StatsCollector({n: fwd_modules[n] for n in names}, meth.needs_hessian, device,
                                 error_tokens if measure_errors else 0).run(
-            fwd, batches, stop_at=names[-1] if in_call_order else None)
+            fwd, feed, stop_at=names[-1] if in_call_order else None)
     tasks = []
     for n in names:
         w = modules[n].weight.detach().float().clone()

@@ -46,8 +46,12 @@ Schedules (``schedule``): ``"fast"`` (the default, AutoRound's "light" recipe: 5
 ``lr = 1/200``, 8 windows per step); ``iters``, ``lr``, ``minmax_lr`` and ``batch_size``
 override them. The fast schedule's work per block: one forward pass over the calibration
 windows for the targets, then 50 forward+backward passes over 4 windows (2,048 tokens at
-512 per window); for SmolLM2-135M (30 blocks) about 1,500 block passes, a few times GPTQ's
-time (``bench/compare_methods.py --cases gptq_w4g64,signround_w4g64`` prints both).
+512 per window), then one forward pass over the windows for the next block's inputs (no
+statistics pass: :attr:`SignRound.needs_stats` is false); for SmolLM2-135M (30 blocks)
+about 1,500 block passes, a few times GPTQ's time (``bench/compare_methods.py --cases
+gptq_w4g64,signround_w4g64`` prints both). The fake quantization of every weight at every
+step is one fused autograd function (:class:`_FakeQuant`). Each step's windows are drawn
+by ``sampler`` (random by default; ``"cyclic"`` uses every window equally often).
 Measured there (32 x 512 C4 windows, WikiText-2 40 x 512, W4 g64 symmetric): perplexity
 34.11 vs GPTQ's 39.83 (dense 28.74). Against AutoRound 0.16.1 at the same schedule and windows
 (``--cases signround_w4g64,signround_w4g64_fullrange``, 2 threads): 33.91 on the default grid

@@ -214,18 +214,38 @@ def test_cyclic_sampler_uses_every_window_equally_often():
     assert all(len(set(rows)) == len(rows) for _, rows in got)
 
 
-@pytest.mark.parametrize("make", [lambda: SignRoundConfig(bits=4, group_size=32, iters=2),
-                                  lambda: __import__("edgeprune.recipe", fromlist=["FISTAConfig"]).FISTAConfig(
-                                      sparsity=0.5)])
+def _fista_cfg():
+    from edgeprune.recipe import FISTAConfig
+    return FISTAConfig(sparsity=0.5)
+
+
+@pytest.mark.parametrize("make", [lambda: SignRoundConfig(bits=4, group_size=32, iters=2), _fista_cfg])
 def test_block_input_methods_run_no_statistics_pass(tiny_llama, monkeypatch, make):
     from edgeprune import blocks
+    from edgeprune.methods.registry import get_method
     calls = []
     orig = blocks.StatsCollector.run
-    monkeypatch.setattr(blocks.StatsCollector, "run", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
+
+    def spy(self, block, batches, **k):
+        calls.append(len(batches))
+        return orig(self, block, batches, **k)
+
+    monkeypatch.setattr(blocks.StatsCollector, "run", spy)
     compress(copy.deepcopy(tiny_llama), make(), _calib(), progress=False, measure_errors=False)
     assert calls == []
-    compress(copy.deepcopy(tiny_llama), make(), _calib(), progress=False, measure_errors=True)
-    assert calls                                  # the layer errors need the statistics
+    # the layer errors need the first error_tokens' statistics only: one batch of 4 x 32
+    # windows here, and they are the errors a full statistics pass gives
+    res = compress(copy.deepcopy(tiny_llama), make(), _calib(), progress=False, measure_errors=True,
+                   batch_size=4, error_tokens=100)
+    assert calls and set(calls) == {1}
+    calls.clear()
+    monkeypatch.setattr(type(get_method(make())), "needs_stats", True)
+    full = compress(copy.deepcopy(tiny_llama), make(), _calib(), progress=False, measure_errors=True,
+                    batch_size=4, error_tokens=100)
+    assert set(calls) == {2}
+    assert res.layer_errors and res.layer_errors.keys() == full.layer_errors.keys()
+    for n, e in res.layer_errors.items():
+        assert e == pytest.approx(full.layer_errors[n], rel=1e-6), n
 
 
 @pytest.mark.parametrize("sym,full_range", [(False, False), (True, False), (True, True)])
