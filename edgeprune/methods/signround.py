@@ -88,8 +88,12 @@ class SignRoundConfig(QuantOptions):
     ``lr``), ``batch_size`` (calibration windows per step) override it.
     ``minmax_tuning``: learn the clipping factors (else only ``V``). ``fp_targets``: the
     reference output comes from the unquantized stream (AutoRound's default). ``amp``: the
-    tuning steps' matrix products in bfloat16 (autocast; about 2x faster on a CPU with
-    AVX512-BF16, as AutoRound's default ``amp``); the targets and the final codes stay float32.
+    tuning steps' and the targets' matrix products in bfloat16 (autocast; about 2x faster on
+    a CPU with AVX512-BF16; AutoRound runs its whole model in bfloat16). The targets under
+    the same autocast as the tuned block make the loss compare like with like: the
+    bfloat16 rounding of the block's inputs no longer adds a floor the rounding offsets
+    cannot lower (Gemma-3-270M: 70.68 against 73.10 with float32 targets). The final
+    codes are computed in float32.
     ``full_range`` (with ``sym``): the signed-scale symmetric grid above (AutoRound's
     ``int_sym``); the scales it exports may be negative. ``sampler``: how each step's
     windows are drawn, ``"random"`` (a batch and its rows at random) or ``"cyclic"`` (every
@@ -375,10 +379,11 @@ class SignRound(Method):
         if self.config.fp_targets and self._fp_next is not None and idx is not None \
                 and self._fp_next[0] == idx and [t.shape for t in self._fp_next[1]] == [t.shape for t in fp_in]:
             fp_in = self._fp_next[1]
-        with torch.no_grad():
+        dev = fp_in[0].device.type if fp_in else "cpu"
+        with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=self.config.amp):
             outs = []
             for x, b in zip(fp_in, inputs):
-                o = _block_output(block(x, **b[1]))
+                o = _block_output(block(x, **b[1])).float()
                 outs.append(o.masked_fill(~b[2].unsqueeze(-1), 0.0) if not bool(b[2].all()) else o)
         if self.config.fp_targets and idx is not None:
             self._fp_next = (idx + 1, outs)
