@@ -55,7 +55,9 @@ by ``sampler`` (random by default; ``"cyclic"`` uses every window equally often)
 Measured there (32 x 512 C4 windows, WikiText-2 40 x 512, W4 g64 symmetric): perplexity
 34.11 vs GPTQ's 39.83 (dense 28.74). Against AutoRound 0.16.1 at the same schedule and windows
 (``--cases signround_w4g64,signround_w4g64_fullrange``, 2 threads): 33.91 on the default grid
-and 32.64 with ``full_range`` (AutoRound's own grid) vs AutoRound's 33.15, in 413 / 398 s vs 402 s.
+and 32.64 with ``full_range`` (AutoRound's own grid) vs AutoRound's 33.15, in 413 / 398 s vs 402 s;
+with the targets under autocast and no statistics pass, full range: 32.72 in 357 s (Gemma-3-270M:
+70.68 in 327 s vs AutoRound's 71.97 in 379 s; ``docs/signround-fista.md``).
 """
 
 from __future__ import annotations
