@@ -95,6 +95,7 @@ DOC_TABLES = {
        for stem in ("compare_methods_autoround", "compare_methods_autoround_fullrange",
                     "compare_methods_gemma3-270m_autoround", "compare_methods_gemma3-270m_autoround_2threads",
                     "compare_methods_gemma3-270m_autoround_2threads_fused", "compare_methods_autoround_fullrange_fused",
+                    "compare_methods_smollm2_llmcompressor",
                     "compare_methods_qwen2.5-coder-0.5b_autoround", "compare_methods_gemma3-270m_llmcompressor")},
     # issue 28 on the other two models (one thread each)
     **{stem: ("docs/signround-fista.md", ("ppl", "bits_per_weight", "compress_s"))
