@@ -201,7 +201,8 @@ class Method:
     needs_block_inputs = False
     #: False for methods that never read :attr:`LayerTask.stats` (SignRound and FISTAPruner
     #: work from the block inputs): with ``measure_errors=False`` the engine then skips the
-    #: statistics pass, one forward of the block over every calibration window per stage.
+    #: statistics pass, one forward of the block over every calibration window per stage;
+    #: with it, the pass covers only the batches holding the ``error_tokens``.
     needs_stats = True
 
     def __init__(self, config):

@@ -180,9 +180,10 @@ class _WindowSampler:
 class _FakeQuant(torch.autograd.Function):
     """``w_hat = (clamp(round(w / s + V) + z, 0, maxq) - z) * s`` with the rounding's
     gradient passed straight through and the clamp's gradient zero outside ``[0, maxq]``:
-    the same values and gradients as writing it out with :func:`_round_ste` and
-    ``torch.clamp``, in a third of the elementwise passes (the tuning loop runs it on
-    every weight of the block at every step).
+    the values and ``V``'s gradient bit for bit those of the written-out form
+    (:func:`_round_ste` and ``torch.clamp``), the scale's and zero point's gradients equal
+    up to float32 rounding, in fewer elementwise passes (1.5x faster on a Gemma-3-270M
+    block's weights; the tuning loop runs it on every weight at every step).
 
     Shapes: ``w, V [groups, gs]``; ``s, z [groups, 1]``; returns ``[groups, gs]``.
     """
