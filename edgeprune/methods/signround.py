@@ -95,7 +95,10 @@ class SignRoundConfig(QuantOptions):
     the same autocast as the tuned block make the loss compare like with like: the
     bfloat16 rounding of the block's inputs no longer adds a floor the rounding offsets
     cannot lower (Gemma-3-270M: 70.68 against 73.10 with float32 targets). The final
-    codes are computed in float32.
+    codes are computed in float32. ``amp_targets=False`` computes the targets in float32
+    while the steps stay under autocast: on Qwen2.5-Coder-0.5B (full range, W4 g64) that
+    gave 44.82 against 45.55 / 45.01 (seeds 0 / 1) with autocast targets, so which is
+    better depends on the model (``docs/signround-fista.md``).
     ``full_range`` (with ``sym``): the signed-scale symmetric grid above (AutoRound's
     ``int_sym``); the scales it exports may be negative. ``sampler``: how each step's
     windows are drawn, ``"random"`` (a batch and its rows at random) or ``"cyclic"`` (every
@@ -110,6 +113,7 @@ class SignRoundConfig(QuantOptions):
     minmax_tuning: bool = True
     fp_targets: bool = True
     amp: bool = True
+    amp_targets: bool = True
     full_range: bool = False
     sampler: str = "random"
     seed: int = 0
@@ -383,7 +387,8 @@ class SignRound(Method):
                 and self._fp_next[0] == idx and [t.shape for t in self._fp_next[1]] == [t.shape for t in fp_in]:
             fp_in = self._fp_next[1]
         dev = fp_in[0].device.type if fp_in else "cpu"
-        with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=self.config.amp):
+        amp = self.config.amp and self.config.amp_targets
+        with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=amp):
             outs = []
             for x, b in zip(fp_in, inputs):
                 o = _block_output(block(x, **b[1])).float()

@@ -276,3 +276,23 @@ def test_fused_fake_quant_matches_the_written_out_ste_formula(sym, full_range):
         assert float(e.abs().sum()) > 0
         err_ours, err_written = float((o.double() - e).abs().max()), float((wr.double() - e).abs().max())
         assert err_ours <= max(err_written, 1e-6), (err_ours, err_written)
+
+
+@pytest.mark.parametrize("amp_targets", [True, False])
+def test_amp_targets_choose_the_targets_precision(tiny_llama, amp_targets):
+    """The targets are the block's output under bfloat16 autocast, or in float32 with
+    ``amp_targets=False`` (bit for bit the plain float32 block), whatever ``amp`` does to the steps."""
+    from edgeprune.blocks import capture_block_inputs
+    block = tiny_llama.model.layers[0]
+    batches = capture_block_inputs(tiny_llama, tiny_llama.model.layers, _calib(), None, 4, torch.device("cpu"))
+    meth = SignRound(SignRoundConfig(bits=4, group_size=32, amp=True, amp_targets=amp_targets))
+    out = lambda r: (r[0] if isinstance(r, tuple) else r).float()  # noqa: E731
+    with torch.no_grad():
+        got = meth._targets(block, batches, 0)
+        ref32 = [out(block(b[0], **b[1])) for b in batches]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            refbf = [out(block(b[0], **b[1])) for b in batches]
+    want, other = (refbf, ref32) if amp_targets else (ref32, refbf)
+    for g, w, o in zip(got, want, other):
+        assert torch.equal(g, w)
+        assert not torch.equal(g, o)
