@@ -283,10 +283,11 @@ def test_amp_targets_choose_the_targets_precision(tiny_llama, amp_targets):
     """The targets are the block's output under bfloat16 autocast, or in float32 with
     ``amp_targets=False`` (bit for bit the plain float32 block), whatever ``amp`` does to the steps."""
     from edgeprune.blocks import capture_block_inputs
+    from edgeprune.methods.signround import _block_output
     block = tiny_llama.model.layers[0]
     batches = capture_block_inputs(tiny_llama, tiny_llama.model.layers, _calib(), None, 4, torch.device("cpu"))
     meth = SignRound(SignRoundConfig(bits=4, group_size=32, amp=True, amp_targets=amp_targets))
-    out = lambda r: (r[0] if isinstance(r, tuple) else r).float()  # noqa: E731
+    out = lambda r: _block_output(r).float()  # noqa: E731
     with torch.no_grad():
         got = meth._targets(block, batches, 0)
         ref32 = [out(block(b[0], **b[1])) for b in batches]
