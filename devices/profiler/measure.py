@@ -174,11 +174,43 @@ def _prompt_ids(tokenizer, n: int, vocab: int) -> list[int]:
 
 def step_labels(cfg: dict) -> list[str]:
     """What :func:`measure_export` does, one label per step it reports (load and warm-up,
-    each timed run, each sweep context): the progress bar's steps."""
+    each timed run, each mask of an IG-Pruning export and all kept, each sweep context):
+    the progress bar's steps."""
     n = int(cfg["repeat"])
     return (["load + warm-up"] + [f"run {i + 1}/{n}" for i in range(n)]
+            + [f"mask {k}" for k in range(int(cfg.get("masks") or 0))]
+            + (["all sub-blocks kept"] if cfg.get("masks") else [])
             + [f"context {int(c)}" for c in cfg.get("sweep") or []]
             + (["operator profile"] if cfg.get("ops") else []))
+
+
+def _per_mask(sess, ids: list, gen_len: int, repeat: int, watch: "RSSWatch", step: Callable[[], None]) -> list:
+    """Each mask of an IG-Pruning export forced in turn, then every sub-block kept (the
+    same graph, nothing bypassed): ``repeat`` generations each, no routing.
+
+    Returns:
+        ``[{"mask", "kept_attention", "kept_mlp", "sub_blocks", "decode_step_ms",
+        "decode_tok_s", "ttft_ms", "kv_bytes"}]``; ``mask`` is the index into the
+        export's masks, or ``"all"``; ``kv_bytes`` (K + V) holds ``len(ids) + gen_len - 1``
+        tokens under that mask (a bypassed attention sub-block holds none).
+    """
+    n = sess.masks.shape[1]
+    rows = []
+    for label, m in [(k, sess.masks[k]) for k in range(len(sess.masks))] + [("all", np.ones(n, bool))]:
+        ttft, steps = [], []
+        with sess.using_mask(m):
+            for _ in range(repeat):
+                r = sess.generate(ids, max_new_tokens=gen_len)
+                watch.check()
+                ttft.append(r.ttft_ms)
+                steps.extend(r.step_ms)
+        med = float(np.median(steps)) if steps else float("nan")
+        kv = sess.kv_cache_bytes(len(ids) + gen_len - 1, mask=m)
+        rows.append({"mask": label, "kept_attention": int(m[0::2].sum()), "kept_mlp": int(m[1::2].sum()),
+                     "sub_blocks": int(n), "decode_step_ms": med, "decode_tok_s": 1000.0 / med if med > 0 else 0.0,
+                     "ttft_ms": float(np.median(ttft)), "kv_bytes": int(kv["k"] + kv["v"])})
+        step()
+    return rows
 
 
 def measure_export(cfg: dict, on_step: Optional[Callable[[], None]] = None) -> dict:
@@ -189,12 +221,16 @@ def measure_export(cfg: dict, on_step: Optional[Callable[[], None]] = None) -> d
             ``sweep`` (context lengths), ``max_length``, ``budget_bytes``,
             ``profile_name``, ``status_path`` (isolated worker only), ``ops`` (also trace one
             more generation with onnxruntime's profiler, in a session of its own loaded
-            after the timed runs and the memory readings, which it does not affect).
+            after the timed runs and the memory readings, which it does not affect),
+            ``masks`` (an IG-Pruning export's mask count, for the progress steps).
         on_step: called after each step of :func:`step_labels` (progress).
 
     Returns:
         The measured figures (``ProfileReport.measured``, plus ``sweep`` rows; with
-        ``ops``, ``ops``: :func:`~devices.profiler.ops.op_breakdown` of that generation).
+        ``ops``, ``ops``: :func:`~devices.profiler.ops.op_breakdown` of that generation;
+        for an IG-Pruning export, ``route`` (the timed runs' routing: ``cluster``,
+        ``router_ms``) and ``masks``, :func:`_per_mask`'s rows, measured after the timed
+        runs and the headline peak RSS).
 
     Raises:
         DeviceError: the RSS went over ``budget_bytes`` (in-process mode).
@@ -228,6 +264,10 @@ def measure_export(cfg: dict, on_step: Optional[Callable[[], None]] = None) -> d
             step()
         # the headline peak is this setting's own (the sweep's longer contexts come after)
         peak = max(watch.peak, _vm_hwm())
+        route = dict(sess.last_route or {}) if hasattr(sess, "using_mask") else None
+        if route:
+            route.pop("mask", None)
+        masks = _per_mask(sess, ids, G, int(cfg["repeat"]), watch, step) if route is not None else None
         sweep = []
         for c in cfg.get("sweep") or []:
             r = sess.generate(_prompt_ids(sess.tokenizer, int(c), int(sess.vocab_size)), max_new_tokens=SWEEP_NEW_TOKENS)
@@ -257,6 +297,7 @@ def measure_export(cfg: dict, on_step: Optional[Callable[[], None]] = None) -> d
         "weights_bytes": weights, "kv_bytes": {"k": int(kv["k"]), "v": int(kv["v"])},
         "final_length": P + G, "kv_tokens": P + G - 1, "sweep": sweep, "budget_bytes": cfg.get("budget_bytes"),
         "sweep_peak_rss_bytes": sweep_peak, **({"ops": ops} if ops is not None else {}),
+        **({"route": route, "masks": masks} if masks is not None else {}),
     }
 
 

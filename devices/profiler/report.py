@@ -83,7 +83,9 @@ class ProfileReport:
             for the ``kv_tokens = final_length - 1`` tokens cached at the end: the last new
             token is sampled, never fed back), ``final_length`` (prompt + new tokens);
             ``ops`` when asked for (:func:`devices.profiler.ops.op_breakdown`: a decode
-            step and the prefill by operator type, from a separate traced generation).
+            step and the prefill by operator type, from a separate traced generation);
+            for an IG-Pruning export ``route`` and ``masks`` (per-mask decode rate, time to
+            first token and KV bytes: :func:`devices.profiler.measure._per_mask`).
         projected: ``{target: {...}}`` roofline projections (never measurements).
         work: bytes / ops per token of the graph (:func:`model_work`).
         host: the host's measured bandwidth / compute used for the projection.
@@ -185,6 +187,19 @@ class ProfileReport:
                             f"is the {self.measured['final_length']}-token setting's own)."]
             if self.plot_path:
                 out += ["", f"Plot: `{self.plot_path}`"]
+        if m.get("masks"):
+            r = m.get("route") or {}
+            routed = (f"the profile's prompt routed to mask {r['cluster']} (router pass "
+                      f"{_fmt(r.get('router_ms'), 1)} ms, inside the time to first token above)"
+                      if r.get("cluster") is not None else "the export has one mask: no router pass")
+            out += ["", f"Per mask (IG-Pruning export; each mask forced, no routing, {self.settings['repeat']} "
+                        f"run{'s' if self.settings['repeat'] != 1 else ''} each; {routed}):", "",
+                    "| mask | attention / MLP sub-blocks kept | decode tok/s (median) | decode step ms | "
+                    "time to first token (ms) | KV K+V, " f"{m['kv_tokens']} tokens (MiB) |",
+                    "|---|---|---|---|---|---|"]
+            out += [f"| {x['mask']} | {x['kept_attention']} / {x['kept_mlp']} of {x['sub_blocks'] // 2} | "
+                    f"{_fmt(x['decode_tok_s'], 1)} | {_fmt(x['decode_step_ms'], 2)} | {_fmt(x['ttft_ms'], 1)} | "
+                    f"{_fmt(x['kv_bytes'] / MiB, 2)} |" for x in m["masks"]]
         if m.get("ops"):
             d = m["ops"]["decode"]
             out += ["", f"Decode step by operator type (onnxruntime's profiler, {d['runs']} steps of one "

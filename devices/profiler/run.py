@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from edgeprune_runtime.errors import DeviceError, GenerationError, RuntimeLoadError
+from edgeprune_runtime.variants import variant_records
 
 from ..catalog import load_profile
 from . import measure
@@ -149,7 +150,8 @@ def profile(folder: Union[str, Path], profile_name_or_obj: Any = "cpu-host", pro
                               "`edgeprune export --max-length`")
     cfg = {"folder": str(folder), "device": device, "threads": threads, "prompt_len": int(prompt_len),
            "gen_len": int(gen_len), "repeat": int(repeat), "sweep": sweep_list, "max_length": need,
-           "budget_bytes": int(prof.memory_budget_bytes), "profile_name": prof.name, "ops": bool(ops)}
+           "budget_bytes": int(prof.memory_budget_bytes), "profile_name": prof.name, "ops": bool(ops),
+           "masks": len((variant_records(meta).get("igprune") or {}).get("masks") or [])}
     measured = _measure(cfg, isolate, timeout, progress)
     if measured["peak_rss_bytes"] > prof.memory_budget_bytes:
         raise DeviceError(f"peak RSS {measured['peak_rss_bytes'] / MiB:.1f} MiB exceeded the memory budget of profile "

@@ -277,3 +277,31 @@ def test_window_metrics_routes_each_window(model, specs, calib):
     assert got["routes"] == specs["ig"].route(model, calib[:4]).tolist()
     again = window_metrics(model, specs["ig"], calib[:4])           # dense recomputed
     assert abs(again["kl_nats"] - got["kl_nats"]) < 1e-9 and again["logp"] is None
+
+
+def test_profile_reports_each_mask(specs, export):
+    """``edgeprune profile`` on an IG-Pruning export: one row per mask and one with every
+    sub-block kept, each with its own KV bytes, the routed mask named, every step counted."""
+    from edgeprune_devices.profiler import measure, profile
+    spec = specs["ig"]
+    steps = []
+    cfg = {"folder": str(export), "device": "cpu", "threads": 1, "prompt_len": 8, "gen_len": 4, "repeat": 1,
+           "sweep": [], "max_length": 64, "budget_bytes": 0, "profile_name": "cpu-host", "masks": len(spec.masks)}
+    assert measure.step_labels(cfg)[2:] == [f"mask {k}" for k in range(len(spec.masks))] + ["all sub-blocks kept"]
+    got = measure.run_worker(cfg, False, 300, lambda: steps.append(1))
+    assert len(steps) == len(measure.step_labels(cfg))
+    rows = got["masks"]
+    assert [r["mask"] for r in rows] == list(range(len(spec.masks))) + ["all"]
+    per_layer = got["kv_bytes"]["k"] + got["kv_bytes"]["v"]          # the routed run's cache
+    with runtime.load(export) as s:
+        full = s.kv_cache_bytes(11, mask=[1] * (2 * L))
+        for r, m in zip(rows, list(spec.masks) + [[1] * (2 * L)]):
+            m = np.asarray(m, bool)
+            assert (r["kept_attention"], r["kept_mlp"]) == (int(m[0::2].sum()), int(m[1::2].sum()))
+            kv = s.kv_cache_bytes(11, mask=m)
+            assert r["kv_bytes"] == kv["k"] + kv["v"] and r["decode_tok_s"] > 0
+    assert rows[-1]["kv_bytes"] == full["k"] + full["v"] >= max(r["kv_bytes"] for r in rows[:-1])
+    assert got["route"]["cluster"] in range(len(spec.masks))
+    assert per_layer == rows[got["route"]["cluster"]]["kv_bytes"]
+    md = profile(export, prompt_len=8, gen_len=4, repeat=1, isolate=False).to_markdown()
+    assert "Per mask (IG-Pruning export" in md and md.count("\n| all | ") == 1
