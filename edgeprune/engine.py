@@ -19,7 +19,10 @@ With ``forward_dtype=torch.bfloat16`` on a float32 model, the calibration forwar
 (statistics, next block's inputs) run on a bfloat16 shadow copy of each block, re-synced
 after every weight write-back; weights, Hessians and every method's arithmetic stay
 float32 (methods that run the block themselves get float32 inputs). On CPUs with
-AVX512-BF16 or AMX a linear runs 2.4x faster in bfloat16.
+AVX512-BF16 or AMX a linear runs 2.4x faster in bfloat16. A method may instead ask for
+the next block's inputs under autocast (:attr:`Method.stream_autocast`; SignRound with its
+targets under bfloat16 autocast): the engine honours it when every data-driven stage of
+the recipe asks for the same dtype.
 
 Memory is bounded by one block's activations (``nsamples x seqlen x hidden``) plus one
 block's Hessians. Padded positions (``attention_mask == 0``) and tokens whose activations
@@ -396,6 +399,7 @@ def compress(model: nn.Module, recipe, calib_ids: Optional[torch.Tensor] = None,
     device = check_device(device)
     model_dtype = next(model.parameters()).dtype
     fdt = _check_forward_dtype(forward_dtype, model_dtype)
+    stream_amp = _stream_autocast(methods)
 
     result = CompressionResult(recipe=recipe.to_dict(), calibration=calibration)
     was_training = model.training
@@ -457,11 +461,12 @@ def compress(model: nn.Module, recipe, calib_ids: Optional[torch.Tensor] = None,
                     He = st.error_hessian
                     if He is not None:
                         result.layer_errors[n] = relative_error(ref[n], modules[n].weight.detach().float(), He)
+            amp = torch.autocast(device.type, dtype=stream_amp, enabled=stream_amp is not None)
             if watch is not None:                  # outputs feed the next block, and are checked
-                with torch.no_grad():
+                with torch.no_grad(), amp:
                     watch.run(fwd, f"{prefix}.{bi}", batches)
             elif need_data and bi < len(blocks) - 1:  # the last block's outputs feed nothing
-                with torch.no_grad():
+                with torch.no_grad(), amp:
                     run_block(fwd, batches)
             del shadow, fwd, fwd_modules
             block.to(blk_dev)
@@ -542,6 +547,14 @@ def _compress_group(block, modules, names, cfg, meth, recipe, si, batches, resul
             ref[t.name] = r.reference.float()
         final_stats[t.name] = r.stats if r.stats is not None else t.stats
     return final_stats
+
+def _stream_autocast(methods) -> Optional[torch.dtype]:
+    """The autocast dtype of the calibration stream between blocks: the data-driven
+    stages' :attr:`~edgeprune.methods.base.Method.stream_autocast` when they all name the
+    same one, else None (the stream in the model's or ``forward_dtype``'s precision)."""
+    wanted = {m.stream_autocast for m in methods if not m.data_free}
+    return wanted.pop() if len(wanted) == 1 else None
+
 
 def _check_forward_dtype(forward_dtype, model_dtype) -> Optional[torch.dtype]:
     """The shadow dtype (None when the forward passes run in ``model_dtype``).

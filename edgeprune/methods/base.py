@@ -204,6 +204,11 @@ class Method:
     #: statistics pass, one forward of the block over every calibration window per stage;
     #: with it, the pass covers only the batches holding the ``error_tokens``.
     needs_stats = True
+    #: the autocast dtype under which the engine carries the calibration stream past a
+    #: block this method compressed (None: the model's dtype). SignRound with ``amp``
+    #: produces its unquantized stream under bfloat16 autocast, so the quantized stream
+    #: goes the same way; the engine uses it only when every data-driven stage agrees.
+    stream_autocast: Optional[torch.dtype] = None
 
     def __init__(self, config):
         self.config = config

@@ -47,7 +47,9 @@ Schedules (``schedule``): ``"fast"`` (the default, AutoRound's "light" recipe: 5
 override them. The fast schedule's work per block: one forward pass over the calibration
 windows for the targets, then 50 forward+backward passes over 4 windows (2,048 tokens at
 512 per window), then one forward pass over the windows for the next block's inputs (no
-statistics pass: :attr:`SignRound.needs_stats` is false); for SmolLM2-135M (30 blocks)
+statistics pass: :attr:`SignRound.needs_stats` is false; with the targets under autocast
+that pass runs under it too, :attr:`SignRound.stream_autocast`, as AutoRound's bfloat16
+model does); for SmolLM2-135M (30 blocks)
 about 1,500 block passes, a few times GPTQ's time (``bench/compare_methods.py --cases
 gptq_w4g64,signround_w4g64`` prints both). The fake quantization of every weight at every
 step is one fused autograd function (:class:`_FakeQuant`). Each step's windows are drawn
@@ -336,6 +338,12 @@ class SignRound(Method):
 
     needs_block_inputs = True
     needs_stats = False
+
+    @property
+    def stream_autocast(self) -> Optional[torch.dtype]:
+        """bfloat16 when the targets run under autocast (``amp`` and ``amp_targets``): the
+        quantized stream into the next block is then made as the unquantized one is."""
+        return torch.bfloat16 if self.config.amp and self.config.amp_targets else None
 
     def __init__(self, config):
         super().__init__(config)

@@ -297,3 +297,37 @@ def test_amp_targets_choose_the_targets_precision(tiny_llama, amp_targets):
     for g, w, o in zip(got, want, other):
         assert torch.equal(g, w)
         assert not torch.equal(g, o)
+
+
+@pytest.mark.parametrize("amp_targets", [True, False])
+def test_quantized_stream_goes_in_the_targets_precision(tiny_llama, monkeypatch, amp_targets):
+    """The engine carries the quantized stream into the next block under the same autocast
+    as SignRound's targets (bfloat16 with ``amp_targets``, else float32), bit for bit."""
+    from edgeprune.blocks import capture_block_inputs
+    from edgeprune.engine import _stream_autocast
+    from edgeprune.methods.signround import _block_output
+    seen = {}
+    orig = SignRound.compress_block
+
+    def spy(self, block, tasks, inputs=None):
+        seen[tasks[0].name.split(".")[2]] = [b[0].clone() for b in inputs]
+        return orig(self, block, tasks, inputs=inputs)
+
+    monkeypatch.setattr(SignRound, "compress_block", spy)
+    cfg = SignRoundConfig(bits=4, group_size=32, iters=1, amp_targets=amp_targets)
+    assert SignRound(cfg).stream_autocast == (torch.bfloat16 if amp_targets else None)
+    compress(tiny_llama, cfg, _calib(), progress=False, batch_size=4)
+    block = tiny_llama.model.layers[0]
+    batches = capture_block_inputs(tiny_llama, tiny_llama.model.layers, _calib(), None, 4, torch.device("cpu"))
+    with torch.no_grad():
+        ref32 = [_block_output(block(b[0], **b[1])) for b in batches]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            refbf = [_block_output(block(b[0], **b[1])) for b in batches]
+    want, other = (refbf, ref32) if amp_targets else (ref32, refbf)
+    for g, w, o in zip(seen["1"], want, other):
+        assert g.dtype == torch.float32 and torch.equal(g, w) and not torch.equal(g, o)
+    # a stage that wants the model's precision (GPTQ) keeps the whole stream there
+    from edgeprune.methods.registry import get_method
+    from edgeprune.recipe import GPTQConfig
+    assert _stream_autocast([get_method(cfg), get_method(GPTQConfig(bits=4, group_size=32))]) is None
+    assert _stream_autocast([get_method(RTNConfig(bits=8)), get_method(cfg)]) == SignRound(cfg).stream_autocast
