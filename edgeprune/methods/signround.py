@@ -58,8 +58,9 @@ Measured there (32 x 512 C4 windows, WikiText-2 40 x 512, W4 g64 symmetric): per
 34.11 vs GPTQ's 39.83 (dense 28.74). Against AutoRound 0.16.1 at the same schedule and windows
 (``--cases signround_w4g64,signround_w4g64_fullrange``, 2 threads): 33.91 on the default grid
 and 32.64 with ``full_range`` (AutoRound's own grid) vs AutoRound's 33.15, in 413 / 398 s vs 402 s;
-with the targets under autocast and no statistics pass, full range: 32.72 in 357 s (Gemma-3-270M:
-70.68 in 327 s vs AutoRound's 71.97 in 379 s; ``docs/signround-fista.md``).
+with the targets and the quantized stream under autocast and no statistics pass, full range:
+32.89 in 357 s (Gemma-3-270M: 71.74 in 332 s vs AutoRound's 71.97 in 379 s; Qwen2.5-Coder-0.5B:
+45.12 in 915 s vs 45.21 in 881 s; ``docs/signround-fista.md``).
 """
 
 from __future__ import annotations
@@ -99,9 +100,11 @@ class SignRoundConfig(QuantOptions):
     cannot lower (Gemma-3-270M at seed 0: 70.68 against 73.10 with float32 targets; the
     window draw moves the result by 1-3 %: 72.69 against 72.62 at seed 1). The final
     codes are computed in float32. ``amp_targets=False`` computes the targets in float32
-    while the steps stay under autocast: on Qwen2.5-Coder-0.5B (full range, W4 g64) that
-    gave 44.82 against 45.55 / 45.01 (seeds 0 / 1) with autocast targets, so which is
-    better depends on the model (``docs/signround-fista.md``).
+    while the steps stay under autocast (and the quantized stream in the model's dtype,
+    :attr:`SignRound.stream_autocast`): on Qwen2.5-Coder-0.5B (full range, W4 g64) that
+    gave 44.82 against 45.12 at seed 0 with autocast targets and stream (45.55 / 45.01 at
+    seeds 0 / 1 with autocast targets and a float32 stream), so which is better depends
+    on the model and the draw (``docs/signround-fista.md``).
     ``full_range`` (with ``sym``): the signed-scale symmetric grid above (AutoRound's
     ``int_sym``); the scales it exports may be negative. ``sampler``: how each step's
     windows are drawn, ``"random"`` (a batch and its rows at random) or ``"cyclic"`` (every
