@@ -95,7 +95,8 @@ class DecoderBuilder(AttentionMixin, MlpMixin, EmbeddingHeadMixin, LinearMixin):
       (onnxruntime-genai's inputs are added and ``genai_config.json`` written),
       ``parity_tokens(n)`` (the validation window), and the attributes
       ``logits_match_model`` (the logits stand for the given torch model; validation
-      checks them), ``approximate_logits`` (they match it only up to rounding) and
+      checks them; when not, ``logits_differ_because`` says why, for the summary),
+      ``approximate_logits`` (they match it only up to rounding) and
       ``sparsity_info`` (the ``sparsity`` record of a verified pattern).
 
     Args:
@@ -110,6 +111,7 @@ class DecoderBuilder(AttentionMixin, MlpMixin, EmbeddingHeadMixin, LinearMixin):
 
     qkv_bias = False
     logits_match_model = True
+    logits_differ_because = ""
 
     #: the graph builds sliding-window layers (else a sliding config limits max_length)
     sliding_window_graph = False

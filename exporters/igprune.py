@@ -123,6 +123,7 @@ class IgPruneMixin(VariantMixin):
             raise UnsupportedArchitectureError("IG-Pruning graphs do not support sliding-window "
                                                "layers", "export this model without --variant")
         self.logits_match_model = False     # the logits follow the mask fed at run time
+        self.logits_differ_because = "the graph bypasses the sub-blocks of the mask each prompt routes to"
         self._ig_branch = False
         self._ig_embedding = None
 
