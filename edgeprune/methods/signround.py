@@ -399,8 +399,8 @@ class SignRound(Method):
                 and self._fp_next[0] == idx and [t.shape for t in self._fp_next[1]] == [t.shape for t in fp_in]:
             fp_in = self._fp_next[1]
         dev = fp_in[0].device.type if fp_in else "cpu"
-        amp = self.config.amp and self.config.amp_targets
-        with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=amp):
+        amp = self.stream_autocast       # the targets' precision is the stream's
+        with torch.no_grad(), torch.autocast(dev, dtype=amp or torch.bfloat16, enabled=amp is not None):
             outs = []
             for x, b in zip(fp_in, inputs):
                 o = _block_output(block(x, **b[1])).float()
