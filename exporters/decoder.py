@@ -111,7 +111,7 @@ class DecoderBuilder(AttentionMixin, MlpMixin, EmbeddingHeadMixin, LinearMixin):
 
     qkv_bias = False
     logits_match_model = True
-    logits_differ_because = ""
+    logits_differ_because = "the graph's logits differ by design"
 
     #: the graph builds sliding-window layers (else a sliding config limits max_length)
     sliding_window_graph = False
