@@ -278,21 +278,28 @@ def test_fused_fake_quant_matches_the_written_out_ste_formula(sym, full_range):
         assert err_ours <= max(err_written, 1e-6), (err_ours, err_written)
 
 
+def _block0_outputs(model):
+    """``(batches, float32 outputs, bfloat16-autocast outputs)`` of ``model``'s block 0 on
+    its calibration inputs (float32 tensors)."""
+    from edgeprune.blocks import capture_block_inputs
+    from edgeprune.methods.signround import _block_output
+    block = model.model.layers[0]
+    batches = capture_block_inputs(model, model.model.layers, _calib(), None, 4, torch.device("cpu"))
+    with torch.no_grad():
+        ref32 = [_block_output(block(b[0], **b[1])).float() for b in batches]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            refbf = [_block_output(block(b[0], **b[1])).float() for b in batches]
+    return batches, ref32, refbf
+
+
 @pytest.mark.parametrize("amp_targets", [True, False])
 def test_amp_targets_choose_the_targets_precision(tiny_llama, amp_targets):
     """The targets are the block's output under bfloat16 autocast, or in float32 with
     ``amp_targets=False`` (bit for bit the plain float32 block), whatever ``amp`` does to the steps."""
-    from edgeprune.blocks import capture_block_inputs
-    from edgeprune.methods.signround import _block_output
-    block = tiny_llama.model.layers[0]
-    batches = capture_block_inputs(tiny_llama, tiny_llama.model.layers, _calib(), None, 4, torch.device("cpu"))
     meth = SignRound(SignRoundConfig(bits=4, group_size=32, amp=True, amp_targets=amp_targets))
-    out = lambda r: _block_output(r).float()  # noqa: E731
+    batches, ref32, refbf = _block0_outputs(tiny_llama)
     with torch.no_grad():
-        got = meth._targets(block, batches, 0)
-        ref32 = [out(block(b[0], **b[1])) for b in batches]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            refbf = [out(block(b[0], **b[1])) for b in batches]
+        got = meth._targets(tiny_llama.model.layers[0], batches, 0)
     want, other = (refbf, ref32) if amp_targets else (ref32, refbf)
     for g, w, o in zip(got, want, other):
         assert torch.equal(g, w)
@@ -303,9 +310,7 @@ def test_amp_targets_choose_the_targets_precision(tiny_llama, amp_targets):
 def test_quantized_stream_goes_in_the_targets_precision(tiny_llama, monkeypatch, amp_targets):
     """The engine carries the quantized stream into the next block under the same autocast
     as SignRound's targets (bfloat16 with ``amp_targets``, else float32), bit for bit."""
-    from edgeprune.blocks import capture_block_inputs
     from edgeprune.engine import _stream_autocast
-    from edgeprune.methods.signround import _block_output
     seen = {}
     orig = SignRound.compress_block
 
@@ -317,12 +322,7 @@ def test_quantized_stream_goes_in_the_targets_precision(tiny_llama, monkeypatch,
     cfg = SignRoundConfig(bits=4, group_size=32, iters=1, amp_targets=amp_targets)
     assert SignRound(cfg).stream_autocast == (torch.bfloat16 if amp_targets else None)
     compress(tiny_llama, cfg, _calib(), progress=False, batch_size=4)
-    block = tiny_llama.model.layers[0]
-    batches = capture_block_inputs(tiny_llama, tiny_llama.model.layers, _calib(), None, 4, torch.device("cpu"))
-    with torch.no_grad():
-        ref32 = [_block_output(block(b[0], **b[1])) for b in batches]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            refbf = [_block_output(block(b[0], **b[1])) for b in batches]
+    _, ref32, refbf = _block0_outputs(tiny_llama)
     want, other = (refbf, ref32) if amp_targets else (ref32, refbf)
     for g, w, o in zip(seen["1"], want, other):
         assert g.dtype == torch.float32 and torch.equal(g, w) and not torch.equal(g, o)
