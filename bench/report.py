@@ -99,7 +99,8 @@ DOC_TABLES = {
                     "compare_methods_qwen2.5-coder-0.5b_autoround", "compare_methods_gemma3-270m_llmcompressor",
                     "compare_methods_qwen2.5-coder-0.5b_autoround_2threads",
                     "compare_methods_qwen2.5-coder-0.5b_autoround_stream", "compare_methods_autoround_stream",
-                    "compare_methods_gemma3-270m_autoround_stream")},
+                    "compare_methods_gemma3-270m_autoround_stream",
+                    "compare_methods_qwen2.5-coder-0.5b_autoround_epyc")},
     # issue 28 on the other two models (one thread each)
     **{stem: ("docs/signround-fista.md", ("ppl", "bits_per_weight", "compress_s"))
        for stem in ("compare_methods_gemma3-270m", "compare_methods_qwen2.5-coder-0.5b_issue28",
