@@ -111,7 +111,10 @@ DOC_TABLES = {
        for stem in ("compare_llamacpp_smollm2_avx512", "compare_runtimes_smollm2_avx512",
                     "compare_llamacpp_qwen2.5-coder-0.5b_speed_avx512",
                     "compare_runtimes_qwen2.5-coder-0.5b_avx512",
-                    "compare_llamacpp_gemma3-270m_h4_avx512")},
+                    "compare_llamacpp_gemma3-270m_h4_avx512",
+                    # an AMD EPYC host, 2026-12-07
+                    "compare_llamacpp_smollm2_epyc", "compare_runtimes_smollm2_epyc",
+                    "compare_llamacpp_qwen2.5-coder-0.5b_speed_epyc")},
     **{stem: ("docs/models.md", (
         "decode_tok_s", "decode_tok_s:theirs", "ttft_ms", "ttft_ms:theirs", "peak_rss_mib",
         "peak_rss_mib:theirs", "decode_us_per_step", "decode_us_per_step:theirs", "nodes_per_step",
