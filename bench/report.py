@@ -38,6 +38,7 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 # compression time from the files that measured them (perplexity does not depend on the host).
 _SPEED = ("decode_tok_s", "peak_rss_mib")
 README_BENCHES = (
+    ("llama.cpp", "SmolLM2-135M", "compare_llamacpp_smollm2_default_ppl", ("ppl",)),
     ("llama.cpp", "SmolLM2-135M", "compare_llamacpp_smollm2_avx512", _SPEED),
     ("llama.cpp", "Qwen2.5-Coder-0.5B", "compare_llamacpp_qwen2.5-coder-0.5b_rtn-g64", ("ppl",)),
     ("llama.cpp", "Qwen2.5-Coder-0.5B", "compare_llamacpp_qwen2.5-coder-0.5b_speed_avx512", _SPEED),
@@ -114,7 +115,15 @@ DOC_TABLES = {
                     "compare_llamacpp_gemma3-270m_h4_avx512",
                     # an AMD EPYC host, 2026-12-07
                     "compare_llamacpp_smollm2_epyc", "compare_runtimes_smollm2_epyc",
-                    "compare_llamacpp_qwen2.5-coder-0.5b_speed_epyc")},
+                    "compare_llamacpp_qwen2.5-coder-0.5b_speed_epyc",
+                    "compare_runtimes_smollm2_default_epyc")},
+    # the shipped SmolLM2 default (best-w4-refit) on the EPYC host: paired-round spread shown
+    "compare_llamacpp_smollm2_default_epyc": ("docs/models.md", (
+        "decode_tok_s", "decode_tok_s:theirs", "decode_ratio_paired", "decode_ratio_paired_min",
+        "decode_ratio_paired_max", "peak_rss_mib", "peak_rss_mib:theirs")),
+    "compare_llamacpp_smollm2_default_ppl": ("docs/models.md", (
+        "ppl", "ppl:theirs", "ppl_ratio", "bits_per_weight_linears", "bits_per_weight_head", "file_mib",
+        "file_mib:theirs")),
     **{stem: ("docs/models.md", (
         "decode_tok_s", "decode_tok_s:theirs", "ttft_ms", "ttft_ms:theirs", "peak_rss_mib",
         "peak_rss_mib:theirs", "decode_us_per_step", "decode_us_per_step:theirs", "nodes_per_step",
