@@ -116,11 +116,13 @@ DOC_TABLES = {
                     # an AMD EPYC host, 2026-12-07
                     "compare_llamacpp_smollm2_epyc", "compare_runtimes_smollm2_epyc",
                     "compare_llamacpp_qwen2.5-coder-0.5b_speed_epyc",
-                    "compare_runtimes_smollm2_default_epyc")},
+                    "compare_runtimes_smollm2_default_epyc", "compare_llamacpp_gemma3-270m_h4_epyc",
+                    "compare_runtimes_gemma3-270m_gptq-g128-h4_epyc", "compare_runtimes_qwen2.5-coder-0.5b_epyc")},
     # the shipped SmolLM2 default (best-w4-refit) on the EPYC host: paired-round spread shown
-    "compare_llamacpp_smollm2_default_epyc": ("docs/models.md", (
+    **{stem: ("docs/models.md", (
         "decode_tok_s", "decode_tok_s:theirs", "decode_ratio_paired", "decode_ratio_paired_min",
-        "decode_ratio_paired_max", "peak_rss_mib", "peak_rss_mib:theirs")),
+        "decode_ratio_paired_max", "peak_rss_mib", "peak_rss_mib:theirs"))
+       for stem in ("compare_llamacpp_smollm2_default_epyc", "compare_llamacpp_smollm2_default_epyc16")},
     "compare_llamacpp_smollm2_default_ppl": ("docs/models.md", (
         "ppl", "ppl:theirs", "ppl_ratio", "bits_per_weight_linears", "bits_per_weight_head", "file_mib",
         "file_mib:theirs")),
