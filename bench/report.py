@@ -44,6 +44,7 @@ README_BENCHES = (
     ("llama.cpp", "Qwen2.5-Coder-0.5B", "compare_llamacpp_qwen2.5-coder-0.5b_speed_avx512", _SPEED),
     ("llama.cpp", "Gemma-3-270M", "compare_llamacpp_gemma3-270m_h4", ("ppl",)),
     ("llama.cpp", "Gemma-3-270M", "compare_llamacpp_gemma3-270m_h4_avx512", _SPEED),
+    ("onnxruntime-genai", "SmolLM2-135M", "compare_runtimes_smollm2_ppl", ("wikitext2_ppl",)),
     ("onnxruntime-genai", "SmolLM2-135M", "compare_runtimes_smollm2_avx512", _SPEED),
     ("onnxruntime-genai", "Qwen2.5-Coder-0.5B", "compare_runtimes_qwen2.5-coder-0.5b", ("wikitext2_ppl",)),
     ("onnxruntime-genai", "Qwen2.5-Coder-0.5B", "compare_runtimes_qwen2.5-coder-0.5b_avx512", _SPEED),
@@ -123,6 +124,9 @@ DOC_TABLES = {
         "decode_tok_s", "decode_tok_s:theirs", "decode_ratio_paired", "decode_ratio_paired_min",
         "decode_ratio_paired_max", "peak_rss_mib", "peak_rss_mib:theirs"))
        for stem in ("compare_llamacpp_smollm2_default_epyc", "compare_llamacpp_smollm2_default_epyc16")},
+    "compare_runtimes_smollm2_ppl": ("docs/models.md", ("wikitext2_ppl", "wikitext2_ppl:theirs")),
+    "family_parity_smollm2": ("docs/models.md", ("max_abs_logit_diff", "top1_agreement", "reference_abs_max",
+                                                 "greedy_identical", "greedy_tokens")),
     "compare_llamacpp_smollm2_default_ppl": ("docs/models.md", (
         "ppl", "ppl:theirs", "ppl_ratio", "bits_per_weight_linears", "bits_per_weight_head", "file_mib",
         "file_mib:theirs")),
