@@ -25,6 +25,7 @@ Command line (set-up ahead of a bench run)::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import numbers
@@ -450,12 +451,32 @@ def ours_folder(variant: str, model: str = SMOLLM2) -> Path:
     return CACHE / ("smollm2-int4" if variant == "rtn-g32" else f"smollm2-int4-{variant}")
 
 
+#: the file in a cached export folder holding :func:`sources_digest` of the code that built it
+SOURCES_FILE = ".sources-sha256"
+
+
+def sources_digest(root: Path = ROOT) -> str:
+    """SHA-256 over the paths and bytes of every ``exporters/`` and ``edgeprune/`` Python
+    source under ``root``, in path order: what an export depends on, by content (a file
+    rewritten with the same bytes, a fresh clone or a copied cache leave it unchanged)."""
+    h = hashlib.sha256()
+    for p in sorted([*(root / "exporters").rglob("*.py"), *(root / "edgeprune").rglob("*.py")]):
+        h.update(p.relative_to(root).as_posix().encode() + b"\0")
+        h.update(p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def ours_is_current(folder: Path) -> bool:
-    """Whether ``folder`` holds an export newer than every ``exporters/`` and ``edgeprune/``
-    source file (so a stale export is never measured)."""
+    """Whether ``folder`` holds an export built by the code of now (so a stale export is
+    never measured): its :data:`SOURCES_FILE` equals :func:`sources_digest`; a folder
+    without one (built before the digest existed) counts when its ``edgeprune.json`` is
+    newer than every ``exporters/`` and ``edgeprune/`` source file."""
     meta = folder / "edgeprune.json"
     if not ((folder / "model.onnx").is_file() and meta.is_file()):
         return False
+    stamp = folder / SOURCES_FILE
+    if stamp.is_file():
+        return stamp.read_text().strip() == sources_digest()
     srcs = [*(ROOT / "exporters").rglob("*.py"), *(ROOT / "edgeprune").rglob("*.py")]
     return meta.stat().st_mtime > max(p.stat().st_mtime for p in srcs)
 
@@ -470,11 +491,15 @@ def ensure_ours(folder: Path, log: Callable[[str], None], variant: str = "defaul
     if variant not in OURS_VARIANTS:
         return f"unknown export variant {variant!r} (known: {', '.join(OURS_VARIANTS)})"
     log(f"building our export {variant!r} of {model} ({OURS_VARIANTS[variant]}) into {folder}")
+    digest = sources_digest()   # the code the build starts from
     r = run_peer(Path(sys.executable), [Path(__file__).resolve(), "export", variant, folder,
                                         "--model", model],
                  timeout=3 * 3600, env=worker_env())
     log(r["tail"].strip()[-400:])
-    return None if r["rc"] == 0 else f"int4 export ({variant}) failed: {r['tail'].strip()[-800:]}"
+    if r["rc"] != 0:
+        return f"int4 export ({variant}) failed: {r['tail'].strip()[-800:]}"
+    (folder / SOURCES_FILE).write_text(digest + "\n")
+    return None
 
 
 def quick_variants() -> list[str]:

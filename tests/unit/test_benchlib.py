@@ -201,3 +201,45 @@ def test_llamacpp_cmake_args_follow_the_cpu_and_leave_amx_out():
     avx2 = bl.llamacpp_cmake_args({"avx", "avx2", "fma", "f16c"})
     assert "-DGGML_AVX2=ON" in avx2 and "-DGGML_AVX512=OFF" in avx2
     assert bl.llamacpp_cmake_args({"neon", "asimd"}) == ""       # not x86: native build
+
+
+def _fake_tree(root: Path) -> Path:
+    """A repository root with one source file per package and one cached export folder."""
+    for pkg in ("edgeprune", "exporters"):
+        (root / pkg).mkdir(parents=True)
+        (root / pkg / "a.py").write_text(f"# {pkg}\n")
+    folder = root / "cache" / "export"
+    folder.mkdir(parents=True)
+    (folder / "model.onnx").write_bytes(b"onnx")
+    (folder / "edgeprune.json").write_text("{}")
+    return folder
+
+
+def test_sources_digest_follows_content_not_mtime(benchlib, tmp_path):
+    _fake_tree(tmp_path)
+    d0 = benchlib.sources_digest(tmp_path)
+    src = tmp_path / "edgeprune" / "a.py"
+    src.write_text(src.read_text())                       # same bytes, new mtime
+    assert benchlib.sources_digest(tmp_path) == d0
+    src.write_text("# changed\n")
+    assert benchlib.sources_digest(tmp_path) != d0
+    src.write_text("# edgeprune\n")
+    (tmp_path / "exporters" / "a.py").rename(tmp_path / "exporters" / "b.py")   # a path is content too
+    assert benchlib.sources_digest(tmp_path) != d0
+
+
+def test_ours_is_current_reads_the_stamp_before_mtimes(benchlib, tmp_path, monkeypatch):
+    folder = _fake_tree(tmp_path)
+    monkeypatch.setattr(benchlib, "ROOT", tmp_path)
+    monkeypatch.setattr(benchlib, "sources_digest", lambda root=tmp_path: "abc")
+    import os
+    old = (tmp_path / "edgeprune" / "a.py").stat().st_mtime - 100
+    os.utime(folder / "edgeprune.json", (old, old))      # older than the sources
+    assert not benchlib.ours_is_current(folder)           # no stamp: the mtime rule
+    (folder / benchlib.SOURCES_FILE).write_text("abc\n")
+    assert benchlib.ours_is_current(folder)               # the stamp matches the code of now
+    (folder / benchlib.SOURCES_FILE).write_text("def\n")
+    assert not benchlib.ours_is_current(folder)           # built by other code
+    (folder / "model.onnx").unlink()
+    (folder / benchlib.SOURCES_FILE).write_text("abc\n")
+    assert not benchlib.ours_is_current(folder)           # no graph, nothing current
