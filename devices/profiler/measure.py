@@ -184,6 +184,19 @@ def step_labels(cfg: dict) -> list[str]:
             + (["operator profile"] if cfg.get("ops") else []))
 
 
+def _step_rate(step_ms: list) -> tuple[float, float]:
+    """``(median ms, tokens/s at that median)`` of decode-step latencies ``step_ms`` (ms);
+    ``(nan, 0.0)`` when there are none."""
+    med = float(np.median(step_ms)) if step_ms else float("nan")
+    return med, (1000.0 / med if med > 0 else 0.0)
+
+
+def _kv_total(sess, tokens: int, **kw) -> int:
+    """K + V bytes of ``sess``'s cache holding ``tokens`` positions."""
+    kv = sess.kv_cache_bytes(tokens, **kw)
+    return int(kv["k"] + kv["v"])
+
+
 def _per_mask(sess, ids: list, gen_len: int, repeat: int, watch: "RSSWatch", step: Callable[[], None]) -> list:
     """Each mask of an IG-Pruning export forced in turn, then every sub-block kept (the
     same graph, nothing bypassed): ``repeat`` generations each, no routing.
@@ -204,11 +217,11 @@ def _per_mask(sess, ids: list, gen_len: int, repeat: int, watch: "RSSWatch", ste
                 watch.check()
                 ttft.append(r.ttft_ms)
                 steps.extend(r.step_ms)
-        med = float(np.median(steps)) if steps else float("nan")
-        kv = sess.kv_cache_bytes(len(ids) + gen_len - 1, mask=m)
+        med, rate = _step_rate(steps)
         rows.append({"mask": label, "kept_attention": int(m[0::2].sum()), "kept_mlp": int(m[1::2].sum()),
-                     "sub_blocks": int(n), "decode_step_ms": med, "decode_tok_s": 1000.0 / med if med > 0 else 0.0,
-                     "ttft_ms": float(np.median(ttft)), "kv_bytes": int(kv["k"] + kv["v"])})
+                     "sub_blocks": int(n), "decode_step_ms": med, "decode_tok_s": rate,
+                     "ttft_ms": float(np.median(ttft)),
+                     "kv_bytes": _kv_total(sess, len(ids) + gen_len - 1, mask=m)})
         step()
     return rows
 
@@ -272,10 +285,10 @@ def measure_export(cfg: dict, on_step: Optional[Callable[[], None]] = None) -> d
         for c in cfg.get("sweep") or []:
             r = sess.generate(_prompt_ids(sess.tokenizer, int(c), int(sess.vocab_size)), max_new_tokens=SWEEP_NEW_TOKENS)
             watch.check()
-            st = float(np.median(r.step_ms)) if r.step_ms else float("nan")
-            kv = sess.kv_cache_bytes(int(c) + SWEEP_NEW_TOKENS - 1)
-            sweep.append({"context": int(c), "decode_step_ms": st, "decode_tok_s": 1000.0 / st if st > 0 else 0.0,
-                          "rss_bytes": watch.rss(), "ttft_ms": r.ttft_ms, "kv_bytes": int(kv["k"] + kv["v"])})
+            st, rate = _step_rate(r.step_ms)
+            sweep.append({"context": int(c), "decode_step_ms": st, "decode_tok_s": rate,
+                          "rss_bytes": watch.rss(), "ttft_ms": r.ttft_ms,
+                          "kv_bytes": _kv_total(sess, int(c) + SWEEP_NEW_TOKENS - 1)})
             step()
         kv = sess.kv_cache_bytes(P + G - 1)      # the last new token is never fed back
         weights = int(sess.weights_bytes)
@@ -284,12 +297,12 @@ def measure_export(cfg: dict, on_step: Optional[Callable[[], None]] = None) -> d
     ops = _op_profile(cfg, ids, G) if cfg.get("ops") else None
     if ops is not None:
         step()
-    med, p90 = float(np.median(steps)) if steps else float("nan"), _pct(steps, 90)
+    (med, rate), p90 = _step_rate(steps), _pct(steps, 90)
     return {
         "ttft_ms": {"median": float(np.median(ttft)), "p90": _pct(ttft, 90), "runs": ttft},
         "prefill_tok_s": {"median": float(np.median(prefill)), "p90": _pct(prefill, 10), "runs": prefill},
         "decode_step_ms": {"median": med, "p90": p90},
-        "decode_tok_s": {"median": 1000.0 / med, "p90": 1000.0 / p90, "runs": decode_runs,
+        "decode_tok_s": {"median": rate, "p90": 1000.0 / p90, "runs": decode_runs,
                          "basis": "median / p90: at the median / p90 latency of all decode steps "
                                   "of all runs; runs: each run's mean rate (new tokens - 1 over "
                                   "its decode time)"},
