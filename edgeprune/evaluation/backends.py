@@ -378,13 +378,14 @@ def is_export(source) -> bool:
 SCORING_DTYPES = ("float32", "bfloat16")
 
 
-def check_scoring_dtype(dtype: str) -> None:
-    """Raises ConfigError unless ``dtype`` is one of :data:`SCORING_DTYPES`."""
+def check_scoring_dtype(dtype: str, option: str = "--dtype") -> None:
+    """Raises ConfigError unless ``dtype`` is one of :data:`SCORING_DTYPES` (the dtypes a
+    model is scored or calibrated in); ``option`` names the setting in the message."""
     if dtype not in SCORING_DTYPES:
         from ..errors import ConfigError
 
-        raise ConfigError(f"--dtype {dtype} is not one of {', '.join(SCORING_DTYPES)}",
-                          "pass --dtype float32 or --dtype bfloat16")
+        raise ConfigError(f"{option} {dtype} is not one of {', '.join(SCORING_DTYPES)}",
+                          f"pass {option} float32 or {option} bfloat16")
 
 
 def scoring_model(model, dtype: str = "float32"):

@@ -337,9 +337,7 @@ def check_config(config: StudyConfig) -> None:
     from ..evaluation.backends import check_scoring_dtype
 
     check_scoring_dtype(config.dtype)
-    if config.calib_dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"calib_dtype {config.calib_dtype!r} is not float32 or bfloat16",
-                          "pass --calib-dtype float32 or --calib-dtype bfloat16")
+    check_scoring_dtype(config.calib_dtype, "--calib-dtype")
     if config.continuations < 0:
         raise ConfigError(f"--continuations {config.continuations} must be >= 0", "pass e.g. --continuations 32")
 

@@ -163,6 +163,8 @@ def test_scoring_model_casts_a_copy_and_refuses_bad_input():
         scoring_model(RuntimeModel.__new__(RuntimeModel), "bfloat16")
     with pytest.raises(ConfigError, match="--dtype"):
         check_config(StudyConfig(dtype="int8"))
+    with pytest.raises(ConfigError, match="--calib-dtype float16 is not one of float32, bfloat16"):
+        check_config(StudyConfig(calib_dtype="float16"))
 
 
 def test_ray_cell_memory_counts_parameters_not_file_bytes(tiny_gguf, tmp_path):
