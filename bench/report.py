@@ -44,7 +44,6 @@ README_BENCHES = (
     ("llama.cpp", "Qwen2.5-Coder-0.5B", "compare_llamacpp_qwen2.5-coder-0.5b_speed_avx512", _SPEED),
     ("llama.cpp", "Gemma-3-270M", "compare_llamacpp_gemma3-270m_h4", ("ppl",)),
     ("llama.cpp", "Gemma-3-270M", "compare_llamacpp_gemma3-270m_h4_avx512", _SPEED),
-    ("onnxruntime-genai", "SmolLM2-135M", "compare_runtimes_smollm2_ppl", ("wikitext2_ppl",)),
     ("onnxruntime-genai", "SmolLM2-135M", "compare_runtimes_smollm2_avx512", _SPEED),
     ("onnxruntime-genai", "Qwen2.5-Coder-0.5B", "compare_runtimes_qwen2.5-coder-0.5b", ("wikitext2_ppl",)),
     ("onnxruntime-genai", "Qwen2.5-Coder-0.5B", "compare_runtimes_qwen2.5-coder-0.5b_avx512", _SPEED),
