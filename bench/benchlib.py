@@ -455,12 +455,18 @@ def ours_folder(variant: str, model: str = SMOLLM2) -> Path:
 SOURCES_FILE = ".sources-sha256"
 
 
+def _export_sources(root: Path) -> list[Path]:
+    """Every ``exporters/`` and ``edgeprune/`` Python source under ``root``: what an export
+    depends on."""
+    return [*(root / "exporters").rglob("*.py"), *(root / "edgeprune").rglob("*.py")]
+
+
 def sources_digest(root: Path = ROOT) -> str:
     """SHA-256 over the paths and bytes of every ``exporters/`` and ``edgeprune/`` Python
     source under ``root``, in path order: what an export depends on, by content (a file
     rewritten with the same bytes, a fresh clone or a copied cache leave it unchanged)."""
     h = hashlib.sha256()
-    for p in sorted([*(root / "exporters").rglob("*.py"), *(root / "edgeprune").rglob("*.py")]):
+    for p in sorted(_export_sources(root)):
         h.update(p.relative_to(root).as_posix().encode() + b"\0")
         h.update(p.read_bytes() + b"\0")
     return h.hexdigest()
@@ -477,8 +483,7 @@ def ours_is_current(folder: Path) -> bool:
     stamp = folder / SOURCES_FILE
     if stamp.is_file():
         return stamp.read_text().strip() == sources_digest()
-    srcs = [*(ROOT / "exporters").rglob("*.py"), *(ROOT / "edgeprune").rglob("*.py")]
-    return meta.stat().st_mtime > max(p.stat().st_mtime for p in srcs)
+    return meta.stat().st_mtime > max(p.stat().st_mtime for p in _export_sources(ROOT))
 
 
 def ensure_ours(folder: Path, log: Callable[[str], None], variant: str = "default",

@@ -8,6 +8,7 @@ tests/conftest.py) so that ``report.py``'s ``import benchlib`` finds it.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -232,7 +233,6 @@ def test_ours_is_current_reads_the_stamp_before_mtimes(benchlib, tmp_path, monke
     folder = _fake_tree(tmp_path)
     monkeypatch.setattr(benchlib, "ROOT", tmp_path)
     monkeypatch.setattr(benchlib, "sources_digest", lambda root=tmp_path: "abc")
-    import os
     old = (tmp_path / "edgeprune" / "a.py").stat().st_mtime - 100
     os.utime(folder / "edgeprune.json", (old, old))      # older than the sources
     assert not benchlib.ours_is_current(folder)           # no stamp: the mtime rule
