@@ -42,6 +42,7 @@ model evaluates exactly what is exported; the integer codes are in
 
 from __future__ import annotations
 
+import copy
 import re
 import time
 import warnings
@@ -89,6 +90,8 @@ class CompressionResult:
             ``"model.layers.3.mlp.down_proj: Hessian singular -> damp x10 (4 tries) -> RTN"``.
         seconds: wall time of :func:`compress`.
         recipe: ``Recipe.to_dict()`` of what ran.
+        tuning: ``"<stage>:<method>"`` -> what each model-scope stage reports (E2E-QP:
+            steps, mean KL per token of its first and last epoch, scale changes).
     """
 
     quantized: dict = field(default_factory=dict)
@@ -99,6 +102,7 @@ class CompressionResult:
     seconds: float = 0.0
     recipe: dict = field(default_factory=dict)
     calibration: dict = field(default_factory=dict)
+    tuning: dict = field(default_factory=dict)
 
     def method_fallbacks(self) -> list[str]:
         """The :attr:`fallbacks` that changed the method applied to a layer (the layer got
@@ -153,6 +157,7 @@ class CompressionResult:
             "layer_errors": {n: float(e) for n, e in self.layer_errors.items()},
             "fallbacks": list(self.fallbacks),
             "method_fallbacks": self.method_fallbacks(),
+            "tuning": dict(self.tuning),
         }
 
 
@@ -176,6 +181,9 @@ def _plan(recipe: Recipe, methods, prefix: str, blocks) -> list[list[tuple[int, 
         per_stage = []
         for si, (cfg, meth) in enumerate(zip(recipe.stages, methods)):
             names = []
+            if _model_scope(meth):      # runs once after the blocks (_model_stage_targets)
+                per_stage.append((si, names))
+                continue
             for name, mod in linears:
                 if not cfg.selects(name):
                     continue
@@ -195,11 +203,35 @@ def _plan(recipe: Recipe, methods, prefix: str, blocks) -> list[list[tuple[int, 
             per_stage.append((si, names))
             any_target |= bool(names)
         plan.append(per_stage)
+    for si, (cfg, meth) in enumerate(zip(recipe.stages, methods)):
+        if not _model_scope(meth):
+            continue
+        later = [c.method for c, m in zip(recipe.stages[si + 1:], methods[si + 1:]) if not _model_scope(m)]
+        if later:
+            raise ConfigError(f"stage {si + 1} ({cfg.method}) tunes the whole model after the block-wise "
+                              f"stages, but {later[0]} comes after it",
+                              f"move {cfg.method} to the end of the recipe")
+        if not _model_stage_targets(recipe, si, [n for n, _ in every]):
+            raise ConfigError(f"stage {si + 1} ({cfg.method}) selects no layer that an earlier stage "
+                              "quantizes", f"put {cfg.method} after a quantization stage (e.g. gptq) "
+                              "covering the layers it targets")
     if not any_target:
         raise ConfigError("the recipe selects no linear layer of the model's decoder blocks",
                           "check the stages' targets/ignore patterns (e.g. targets = [\"q_proj\"])")
     _check_patterns_match(recipe, [n for n, _ in every])
     return plan
+
+
+def _model_scope(meth) -> bool:
+    """Whether a method runs once over the whole model after the blocks (E2E-QP)."""
+    return bool(getattr(meth, "model_scope", False))
+
+
+def _model_stage_targets(recipe: Recipe, si: int, names: list[str]) -> list[str]:
+    """The layers model-scope stage ``si`` tunes: those it selects that an earlier stage
+    quantizes."""
+    cfg = recipe.stages[si]
+    return [n for n in names if cfg.selects(n) and any(c.quantizes and c.selects(n) for c in recipe.stages[:si])]
 
 
 def _may_precede_note() -> str:
@@ -402,6 +434,8 @@ def compress(model: nn.Module, recipe, calib_ids: Optional[torch.Tensor] = None,
     stream_amp = _stream_autocast(methods)
 
     result = CompressionResult(recipe=recipe.to_dict(), calibration=calibration)
+    # model-scope stages (E2E-QP) distil from the model as it is before the recipe
+    teacher = copy.deepcopy(model).eval() if any(_model_scope(m) for m in methods) else None
     was_training = model.training
     model.eval()
     # Non-block modules (embeddings, rotary, final norm) go to `device` for the capture.
@@ -476,6 +510,10 @@ def compress(model: nn.Module, recipe, calib_ids: Optional[torch.Tensor] = None,
                 on_block(bi + 1, len(blocks))
         if watch is not None:
             watch.check_logits(model, prefix, batches)
+        del batches, watch
+        if teacher is not None:
+            _run_model_stages(model, teacher, recipe, methods, prefix, blocks, result, calib_ids,
+                              attention_mask, device, progress)
     finally:
         if bar is not None:           # also on an error: its line ends before the error's
             bar.close()
@@ -487,6 +525,29 @@ def compress(model: nn.Module, recipe, calib_ids: Optional[torch.Tensor] = None,
     if line:
         warnings.warn(line, FallbackWarning, stacklevel=2)
     return result
+
+
+def _run_model_stages(model, teacher, recipe, methods, prefix, blocks, result, calib_ids, attention_mask,
+                      device, progress) -> None:
+    """Run the model-scope stages in order on the whole model (on ``device``); their
+    reports go to ``result.tuning`` and their fallbacks to ``result.fallbacks``."""
+    names = [f"{prefix}.{bi}.{n}" for bi, b in enumerate(blocks) for n, m in b.named_modules()
+             if isinstance(m, nn.Linear)]
+    mods = dict(model.named_modules())
+    base_dev = next(model.parameters()).device
+    model.to(device)
+    teacher.to(device)
+    try:
+        for si, (cfg, meth) in enumerate(zip(recipe.stages, methods)):
+            if not _model_scope(meth):
+                continue
+            targets = {n: (mods[n], result.quantized[n], result.masks.get(n))
+                       for n in _model_stage_targets(recipe, si, names) if n in result.quantized}
+            info = meth.tune_model(model, teacher, targets, calib_ids, attention_mask, progress=progress)
+            result.fallbacks.extend(info.pop("notes", []))
+            result.tuning[f"{si + 1}:{cfg.method}"] = info
+    finally:
+        model.to(base_dev)
 
 
 def _first_tokens(batches, n: int) -> list:
@@ -552,7 +613,7 @@ def _stream_autocast(methods) -> Optional[torch.dtype]:
     """The autocast dtype of the calibration stream between blocks: the data-driven
     stages' :attr:`~edgeprune.methods.base.Method.stream_autocast` when they all name the
     same one, else None (the stream in the model's or ``forward_dtype``'s precision)."""
-    wanted = {m.stream_autocast for m in methods if not m.data_free}
+    wanted = {m.stream_autocast for m in methods if not m.data_free and not _model_scope(m)}
     return wanted.pop() if len(wanted) == 1 else None
 
 

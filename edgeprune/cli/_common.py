@@ -19,9 +19,10 @@ class _RegisteredMethods(Sequence):
     read on each use: the registry imports torch, the CLI's start does not."""
 
     def _names(self) -> tuple:
-        from ..methods import method_names
+        from ..methods import METHODS, method_names
 
-        return tuple(method_names())
+        # a model-scope stage (e2e-qp) tunes what an earlier stage quantized: recipes only
+        return tuple(n for n in method_names() if not getattr(METHODS.get(n), "model_scope", False))
 
     def __getitem__(self, i):
         return self._names()[i]
@@ -33,7 +34,8 @@ class _RegisteredMethods(Sequence):
         return repr(list(self._names()))
 
 
-#: The ``--method`` choices: every registered compression method.
+#: The ``--method`` choices: every registered compression method that runs alone (not
+#: the model-scope ``e2e-qp``, which follows a quantizer in a recipe).
 METHODS = _RegisteredMethods()
 
 

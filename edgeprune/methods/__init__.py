@@ -11,6 +11,7 @@ rtn        quant  baseline (round-to-nearest)
 gptq       quant  Frantar et al., "GPTQ", ICLR 2023
 awq        quant  Lin et al., "AWQ", MLSys 2024
 signround  quant  Cheng et al., "Optimize Weight Rounding via Signed Gradient Descent" (AutoRound), 2023
+e2e-qp     tune   Chen et al., "EfficientQAT" (E2E-QP), ACL 2025: scales trained end to end
 =========  =====  ===========================================================
 
 Adding a method: one file ``methods/<name>.py`` holding its config (a dataclass deriving
@@ -36,6 +37,7 @@ from . import rtn  # noqa: E402,F401
 from . import gptq  # noqa: E402,F401
 from . import awq  # noqa: E402,F401
 from . import signround  # noqa: E402,F401
+from . import e2eqp  # noqa: E402,F401
 
 from .gptq import gptq_quantize  # noqa: E402
 from .magnitude import magnitude_prune  # noqa: E402
