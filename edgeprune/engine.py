@@ -511,6 +511,9 @@ def compress(model: nn.Module, recipe, calib_ids: Optional[torch.Tensor] = None,
         if watch is not None:
             watch.check_logits(model, prefix, batches)
         del batches, watch
+        if bar is not None:
+            bar.close()
+            bar = None
         if teacher is not None:
             _run_model_stages(model, teacher, recipe, methods, prefix, blocks, result, calib_ids,
                               attention_mask, device, progress)
