@@ -7,7 +7,7 @@
   :data:`CORPUS` and a ChatML template, for the runtime tokenizer tests.
 * :class:`CharTokenizer`: the smallest object with the HF call convention (id = byte value),
   for calibration and evaluation code that only calls the tokenizer.
-* :func:`export_tiny_llama`, :func:`rand_ids`.
+* :func:`export_tiny_llama`, :func:`rand_ids`, :func:`assert_int4_export_matches`.
 """
 
 from __future__ import annotations
@@ -84,6 +84,22 @@ def byte_tokenizer():
 def rand_ids(n, vocab=255, seed=0, batch=1):
     """``int64 [batch, n]`` token ids below ``vocab`` (never the eos id 255)."""
     return np.random.default_rng(seed).integers(0, vocab, size=(batch, n), dtype=np.int64)
+
+
+def assert_int4_export_matches(model, quantized: dict, folder: Path, atol: float = 1e-4) -> None:
+    """Export a tiny byte-vocabulary ``model`` as int4 ``MatMulNBits`` from ``quantized``
+    (exact accuracy level, float head) and check the runtime's logits on 40 random ids
+    against the PyTorch model's within ``atol``."""
+    import edgeprune_exporters as exporters
+    import edgeprune_runtime as runtime
+
+    ids = rand_ids(40, seed=11)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(ids)).logits.float().numpy()
+    exporters.export_onnx(model, byte_tokenizer(), folder, precision="int4", quantized=quantized,
+                          accuracy_level=0, lm_head="fp", max_length=128, overwrite=True)
+    with runtime.load(folder) as s:
+        np.testing.assert_allclose(s.logits(ids), ref, atol=atol)
 
 
 class CharTokenizer:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +14,7 @@ from edgeprune.errors import ConfigError
 from edgeprune.methods.e2eqp import E2EQPConfig
 from edgeprune.recipe import GPTQConfig, RTNConfig, SparseGPTConfig, WandaConfig
 
-from tiny import byte_tokenizer, rand_ids
+from tiny import assert_int4_export_matches
 
 
 def _calib(n=8, s=32, seed=1):
@@ -65,19 +64,10 @@ def test_training_lowers_the_kl_to_the_dense_model_and_keeps_codes(tiny_llama, a
 
 
 def test_packed_int4_export_matches_the_tuned_model(tiny_llama, tmp_path):
-    import edgeprune_exporters as exporters
-    import edgeprune_runtime as runtime
-
     res = compress(tiny_llama, [GPTQConfig(bits=4, group_size=32), E2EQPConfig(epochs=2, lr=3e-3)], _calib(),
                    progress=False)
     assert res.tuning["2:e2e-qp"]["scale_change_max"] > 0
-    ids = rand_ids(40, seed=11)
-    with torch.no_grad():
-        ref = tiny_llama(torch.from_numpy(ids)).logits.float().numpy()
-    exporters.export_onnx(tiny_llama, byte_tokenizer(), tmp_path / "m", precision="int4",
-                          quantized=res.quantized, accuracy_level=0, lm_head="fp", max_length=128, overwrite=True)
-    with runtime.load(tmp_path / "m") as s:
-        np.testing.assert_allclose(s.logits(ids), ref, atol=1e-4)
+    assert_int4_export_matches(tiny_llama, res.quantized, tmp_path / "m")
 
 
 def test_pruned_weights_stay_zero_and_only_quantized_layers_move(tiny_llama):

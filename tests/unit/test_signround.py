@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,7 +14,7 @@ from edgeprune.methods.signround import SignRound, SignRoundConfig, signround_gr
 from edgeprune.quantize import qparams
 from edgeprune.recipe import AWQConfig, Recipe, RTNConfig, SparseGPTConfig
 
-from tiny import byte_tokenizer, rand_ids
+from tiny import assert_int4_export_matches
 
 
 def _calib(n=8, s=32, seed=1):
@@ -111,20 +110,11 @@ def test_learned_offsets_and_clipping_stay_in_bounds(tiny_llama):
 @pytest.mark.parametrize("grid", [{}, {"sym": True, "full_range": True}], ids=["asym", "full-range"])
 def test_packed_int4_export_matches_the_fake_quant_model(tiny_llama, tmp_path, grid):
     """Also with the full-range grid's negative scales, which must survive packing."""
-    import edgeprune_exporters as exporters
-    import edgeprune_runtime as runtime
-
     res = compress(tiny_llama, SignRoundConfig(bits=4, group_size=32, iters=20, batch_size=4, **grid), _calib(),
                    progress=False)
     if grid:
         assert any(float(q.scales.min()) < 0 for q in res.quantized.values())
-    ids = rand_ids(40, seed=11)
-    with torch.no_grad():
-        ref = tiny_llama(torch.from_numpy(ids)).logits.float().numpy()
-    exporters.export_onnx(tiny_llama, byte_tokenizer(), tmp_path / "m", precision="int4",
-                          quantized=res.quantized, accuracy_level=0, lm_head="fp", max_length=128, overwrite=True)
-    with runtime.load(tmp_path / "m") as s:
-        np.testing.assert_allclose(s.logits(ids), ref, atol=1e-4)
+    assert_int4_export_matches(tiny_llama, res.quantized, tmp_path / "m")
 
 
 def test_full_range_grid_puts_the_largest_magnitude_on_code_zero():
