@@ -120,3 +120,39 @@ def test_stage_rules_are_checked_before_any_work(tiny_llama, stages, match):
 def test_bad_settings_are_refused(opts, match):
     with pytest.raises(ConfigError, match=match):
         E2EQPConfig.from_options(**opts)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_chunked_head_gives_the_whole_logits_loss_and_gradient(tiny_llama, family):
+    """The KL over chunks of positions (the head run chunk by chunk, one backward pass from
+    the final hidden states) equals the KL of the whole ``[b, seqlen, vocab]`` logits, and
+    so do the gradients; Gemma's final soft cap included."""
+    import edgeprune.methods.e2eqp as e2e
+    from tiny import tiny_gemma3
+
+    model = tiny_llama if family == "llama" else tiny_gemma3()
+    if family == "gemma3":
+        model.config.final_logit_softcapping = 5.0
+    teacher = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    ids, m = _calib(n=2, s=24), torch.ones(2, 24, dtype=torch.long)
+    m[1, :5] = 0                                          # left padding is not scored
+    train = [p for n, p in model.named_parameters() if "mlp" in n or "norm" in n]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in train:
+        p.requires_grad_(True)
+    amp = torch.autocast("cpu", enabled=False)
+    split = e2e._split_head(model, teacher, ids[:1, :8])
+    assert split is not None
+    split = (*split[:4], 7)                               # 48 positions in 7 chunks
+    whole = e2e._loss_backward(model, teacher, ids, m, amp, None)
+    g_whole = [p.grad.clone() for p in train]
+    for p in train:
+        p.grad = None
+    chunked = e2e._loss_backward(model, teacher, ids, m, amp, split)
+    assert whole > 0 and chunked == pytest.approx(whole, rel=1e-5)
+    for a, p in zip(g_whole, train):
+        torch.testing.assert_close(p.grad, a, rtol=1e-4, atol=1e-7)
