@@ -89,9 +89,8 @@ DOC_TABLES = {
                                                                 "compress_s:theirs")),
     **{stem: ("docs/signround-fista.md", ("ppl", "bits_per_weight", "compress_s"))
        for stem in ("compare_methods_presets", "compare_methods_presets_calib128", "compare_methods_presets_e2e",
-                    "compare_methods_presets_e2e_calib128")},
-    **{stem: ("docs/signround-fista.md", ("ppl", "bits_per_weight", "compress_s"))
-       for stem in ("compare_methods_qwen2.5-coder-0.5b_e2e", "compare_methods_gemma3-270m_e2e")},
+                    "compare_methods_presets_e2e_calib128", "compare_methods_qwen2.5-coder-0.5b_e2e",
+                    "compare_methods_gemma3-270m_e2e")},
     # issue 28: FISTAPruner vs SparseGPT and Wanda (50 % and 2:4, one thread each); SignRound vs AutoRound
     **{stem: ("docs/signround-fista.md", ("ppl", "compress_s"))
        for stem in ("compare_methods_fista50", "compare_methods_fista24")},

@@ -181,7 +181,7 @@ def _plan(recipe: Recipe, methods, prefix: str, blocks) -> list[list[tuple[int, 
         per_stage = []
         for si, (cfg, meth) in enumerate(zip(recipe.stages, methods)):
             names = []
-            if _model_scope(meth):      # runs once after the blocks (_model_stage_targets)
+            if meth.model_scope:      # runs once after the blocks (_model_stage_targets)
                 per_stage.append((si, names))
                 continue
             for name, mod in linears:
@@ -204,9 +204,9 @@ def _plan(recipe: Recipe, methods, prefix: str, blocks) -> list[list[tuple[int, 
             any_target |= bool(names)
         plan.append(per_stage)
     for si, (cfg, meth) in enumerate(zip(recipe.stages, methods)):
-        if not _model_scope(meth):
+        if not meth.model_scope:
             continue
-        later = [c.method for c, m in zip(recipe.stages[si + 1:], methods[si + 1:]) if not _model_scope(m)]
+        later = [c.method for c, m in zip(recipe.stages[si + 1:], methods[si + 1:]) if not m.model_scope]
         if later:
             raise ConfigError(f"stage {si + 1} ({cfg.method}) tunes the whole model after the block-wise "
                               f"stages, but {later[0]} comes after it",
@@ -220,11 +220,6 @@ def _plan(recipe: Recipe, methods, prefix: str, blocks) -> list[list[tuple[int, 
                           "check the stages' targets/ignore patterns (e.g. targets = [\"q_proj\"])")
     _check_patterns_match(recipe, [n for n, _ in every])
     return plan
-
-
-def _model_scope(meth) -> bool:
-    """Whether a method runs once over the whole model after the blocks (E2E-QP)."""
-    return bool(getattr(meth, "model_scope", False))
 
 
 def _model_stage_targets(recipe: Recipe, si: int, names: list[str]) -> list[str]:
@@ -435,7 +430,7 @@ def compress(model: nn.Module, recipe, calib_ids: Optional[torch.Tensor] = None,
 
     result = CompressionResult(recipe=recipe.to_dict(), calibration=calibration)
     # model-scope stages (E2E-QP) distil from the model as it is before the recipe
-    teacher = copy.deepcopy(model).eval() if any(_model_scope(m) for m in methods) else None
+    teacher = copy.deepcopy(model).eval() if any(m.model_scope for m in methods) else None
     was_training = model.training
     model.eval()
     # Non-block modules (embeddings, rotary, final norm) go to `device` for the capture.
@@ -542,7 +537,7 @@ def _run_model_stages(model, teacher, recipe, methods, prefix, blocks, result, c
     teacher.to(device)
     try:
         for si, (cfg, meth) in enumerate(zip(recipe.stages, methods)):
-            if not _model_scope(meth):
+            if not meth.model_scope:
                 continue
             targets = {n: (mods[n], result.quantized[n], result.masks.get(n))
                        for n in _model_stage_targets(recipe, si, names) if n in result.quantized}
@@ -616,7 +611,7 @@ def _stream_autocast(methods) -> Optional[torch.dtype]:
     """The autocast dtype of the calibration stream between blocks: the data-driven
     stages' :attr:`~edgeprune.methods.base.Method.stream_autocast` when they all name the
     same one, else None (the stream in the model's or ``forward_dtype``'s precision)."""
-    wanted = {m.stream_autocast for m in methods if not m.data_free and not _model_scope(m)}
+    wanted = {m.stream_autocast for m in methods if not m.data_free and not m.model_scope}
     return wanted.pop() if len(wanted) == 1 else None
 
 

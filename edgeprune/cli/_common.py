@@ -22,7 +22,7 @@ class _RegisteredMethods(Sequence):
         from ..methods import METHODS, method_names
 
         # a model-scope stage (e2e-qp) tunes what an earlier stage quantized: recipes only
-        return tuple(n for n in method_names() if not getattr(METHODS.get(n), "model_scope", False))
+        return tuple(n for n in method_names() if not METHODS[n].model_scope)
 
     def __getitem__(self, i):
         return self._names()[i]

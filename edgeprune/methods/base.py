@@ -209,6 +209,10 @@ class Method:
     #: produces its unquantized stream under bfloat16 autocast, so the quantized stream
     #: goes the same way; the engine uses it only when every data-driven stage agrees.
     stream_autocast: Optional[torch.dtype] = None
+    #: True for a method that runs once over the whole model after every block-wise stage
+    #: (E2E-QP): the engine leaves it out of the per-block plan and calls
+    #: :meth:`tune_model` with a frozen copy of the model as it was before the recipe.
+    model_scope = False
 
     def __init__(self, config):
         self.config = config
@@ -250,6 +254,14 @@ class Method:
         return [self.compress_layer(t) for t in tasks]
 
     def compress_layer(self, task: LayerTask) -> LayerResult:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def tune_model(self, model: nn.Module, teacher: nn.Module, targets: dict, calib_ids: torch.Tensor,
+                   attention_mask: Optional[torch.Tensor] = None, *,
+                   progress: bool = False) -> dict:  # pragma: no cover - abstract
+        """A :attr:`model_scope` method's work on the whole model (see
+        :meth:`edgeprune.methods.e2eqp.E2EQP.tune_model`); returns its report, whose
+        ``"notes"`` are fallbacks."""
         raise NotImplementedError
 
 

@@ -303,10 +303,9 @@ class E2EQP(Method):
                         bar.set_postfix(kl=f"{kl:.4f}")
                 if not ok:
                     break
-                kl = total / per_epoch
-                info["kl_first_epoch" if ep == 0 else "kl_last_epoch"] = kl
-                if c.epochs == 1:
-                    info["kl_last_epoch"] = kl
+                if ep == 0:
+                    info["kl_first_epoch"] = total / per_epoch
+                info["kl_last_epoch"] = total / per_epoch
         finally:
             if bar is not None:
                 bar.close()
